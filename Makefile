@@ -1,0 +1,31 @@
+# make test  : create .venv, install the package with its test extras, run the suite
+# make demo  : same set-up, then run the main example
+# make bench : same set-up, then run the benchmark suite (never part of `make test`)
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo bench lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test,examples,bench]"
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(PY) -m ruff check optax_accum tests examples benchmarks
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) examples/lm/train.py
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_step.py
+	$(PY) benchmarks/bench_train.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
