@@ -116,7 +116,7 @@ def _check_grads_match(grads: Any, acc_grads: Any) -> None:
         f" `init`; missing leaves: {missing or 'none'}, unexpected leaves:"
         f" {extra or 'none'}. Got structure {grads_def}, expected {acc_def}."
     )
-  for (path, g), (_, a) in zip(grads_flat, acc_flat):
+  for (path, g), (_, a) in zip(grads_flat, acc_flat, strict=False):
     if np.shape(g) != np.shape(a):
       raise ValueError(
           f"`updates` leaf {jax.tree_util.keystr(path)} has shape"
@@ -312,8 +312,24 @@ def accumulate(
     grads = updates
     has_weight = weight is not None
     weight = _scalar(1.0 if weight is None else weight, "weight", jnp.float32)
-    flush = _scalar(flush, "flush", jnp.bool_)
 
+    if every_k == 1 and not has_weight and flush is False and not (
+        skip_nonfinite or axis_name is not None
+    ):
+      # Every call emits and the mean of one unweighted gradient is the
+      # gradient itself: call the inner directly, bit for bit like `inner`
+      # alone, with no conditional and no accumulator traffic.
+      # (The state's accumulator is left untouched.)
+      new_updates, inner_state = inner.update(
+          grads, state.inner_state, params, **extra_args
+      )
+      return new_updates, state._replace(
+          step=optax.safe_increment(state.step),
+          inner_state=inner_state,
+          emitted=jnp.asarray(True),
+      )
+
+    flush = _scalar(flush, "flush", jnp.bool_)
     grad_leaves = jax.tree.leaves(grads)
     grad_types = jax.tree.map(
         lambda g: jax.ShapeDtypeStruct(jnp.shape(g), jnp.result_type(g)), grads
@@ -397,7 +413,7 @@ def accumulate(
         acc
     ) and all(
         u.shape == a.shape and _holds_exactly(a.dtype, u.dtype)
-        for u, a in zip(jax.tree.leaves(inner_updates_shape), jax.tree.leaves(acc))
+        for u, a in zip(jax.tree.leaves(inner_updates_shape), jax.tree.leaves(acc), strict=False)
     )
 
     def zero_updates():

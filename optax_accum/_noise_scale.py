@@ -123,10 +123,10 @@ def noise_scale(state: AccumulateState) -> jax.Array:
     ...                             track_noise_scale=True)
     >>> params = jnp.zeros(100)
     >>> state = tx.init(params)
-    >>> key = jax.random.PRNGKey(0)
-    >>> for i in range(800):  # true gradient 1, per-example noise N(0, 4)
-    ...   g = 1.0 + 2.0 * jax.random.normal(jax.random.fold_in(key, i), (100,))
-    ...   _, state = tx.update(g, state, params)
+    >>> update = jax.jit(tx.update)
+    >>> noise = jax.random.normal(jax.random.PRNGKey(0), (800, 100))
+    >>> for z in noise:  # true gradient 1, per-example noise N(0, 4)
+    ...   _, state = update(1.0 + 2.0 * z, state, params)
     >>> b = float(optax_accum.noise_scale(state))  # truth: 100 * 4 / 100 = 4
     >>> 3.4 < b < 4.6
     True
