@@ -34,65 +34,65 @@ def _check_every_k(every_k: Any) -> EveryK:
   if callable(every_k) and not isinstance(every_k, jax.Array):
     return every_k
   is_int_array = (
-      isinstance(every_k, (np.ndarray, np.generic, jax.Array))
-      and np.ndim(every_k) == 0
-      and np.issubdtype(np.asarray(every_k).dtype, np.integer)
+    isinstance(every_k, (np.ndarray, np.generic, jax.Array))
+    and np.ndim(every_k) == 0
+    and np.issubdtype(np.asarray(every_k).dtype, np.integer)
   )
   if isinstance(every_k, bool) or not (
-      isinstance(every_k, int) or is_int_array
+    isinstance(every_k, int) or is_int_array
   ):
     raise TypeError(
-        "`every_k` must be a positive integer or a schedule"
-        " (callable(step) -> int), got"
-        f" {every_k!r} of type {type(every_k).__name__}."
+      "`every_k` must be a positive integer or a schedule"
+      " (callable(step) -> int), got"
+      f" {every_k!r} of type {type(every_k).__name__}."
     )
   try:
     k = operator.index(every_k)
   except (TypeError, jax.errors.ConcretizationTypeError) as e:
     raise TypeError(
-        "`every_k` must be a concrete integer; to change it during training"
-        f" pass a schedule (callable(step) -> int), got {every_k!r}."
+      "`every_k` must be a concrete integer; to change it during training"
+      f" pass a schedule (callable(step) -> int), got {every_k!r}."
     ) from e
   if k < 1:
     raise ValueError(
-        f"`every_k` must be >= 1, got {k}: with 0 or fewer micro-batches per"
-        " cycle no update would ever be emitted."
+      f"`every_k` must be >= 1, got {k}: with 0 or fewer micro-batches per"
+      " cycle no update would ever be emitted."
     )
   return k
 
 
 def _check_options(
-    reduction, accumulator_dtype, axis_name, noise_scale_decay
+  reduction, accumulator_dtype, axis_name, noise_scale_decay
 ) -> Any:
   """Validates the keyword options; returns the accumulator dtype or None."""
   if reduction not in _REDUCTIONS:
     raise ValueError(
-        f"`reduction` must be one of {_REDUCTIONS}, got {reduction!r}."
+      f"`reduction` must be one of {_REDUCTIONS}, got {reduction!r}."
     )
   if accumulator_dtype is not None:
     try:
       accumulator_dtype = jnp.dtype(accumulator_dtype)
     except TypeError as e:
       raise TypeError(
-          "`accumulator_dtype` must be a floating dtype or None, got"
-          f" {accumulator_dtype!r}."
+        "`accumulator_dtype` must be a floating dtype or None, got"
+        f" {accumulator_dtype!r}."
       ) from e
     if not jnp.issubdtype(accumulator_dtype, jnp.inexact):
       raise ValueError(
-          "`accumulator_dtype` must be a floating dtype or None, got"
-          f" {accumulator_dtype}."
+        "`accumulator_dtype` must be a floating dtype or None, got"
+        f" {accumulator_dtype}."
       )
   if axis_name is not None and not isinstance(axis_name, Hashable):
     raise TypeError(
-        "`axis_name` must be None or a hashable axis name (str or tuple),"
-        f" got {axis_name!r}."
+      "`axis_name` must be None or a hashable axis name (str or tuple),"
+      f" got {axis_name!r}."
     )
   if isinstance(noise_scale_decay, bool) or not (
-      isinstance(noise_scale_decay, (int, float)) and 0 <= noise_scale_decay < 1
+    isinstance(noise_scale_decay, (int, float)) and 0 <= noise_scale_decay < 1
   ):
     raise ValueError(
-        f"`noise_scale_decay` must be a float in [0, 1), got"
-        f" {noise_scale_decay!r}."
+      f"`noise_scale_decay` must be a float in [0, 1), got"
+      f" {noise_scale_decay!r}."
     )
   return accumulator_dtype
 
@@ -112,16 +112,16 @@ def _check_grads_match(grads: Any, acc_grads: Any) -> None:
     missing = sorted(set(acc_paths) - set(grads_paths))
     extra = sorted(set(grads_paths) - set(acc_paths))
     raise ValueError(
-        "`updates` must have the tree structure of the params given to"
-        f" `init`; missing leaves: {missing or 'none'}, unexpected leaves:"
-        f" {extra or 'none'}. Got structure {grads_def}, expected {acc_def}."
+      "`updates` must have the tree structure of the params given to"
+      f" `init`; missing leaves: {missing or 'none'}, unexpected leaves:"
+      f" {extra or 'none'}. Got structure {grads_def}, expected {acc_def}."
     )
-  for (path, g), (_, a) in zip(grads_flat, acc_flat, strict=False):
+  for (path, g), (_, a) in zip(grads_flat, acc_flat, strict=True):
     if np.shape(g) != np.shape(a):
       raise ValueError(
-          f"`updates` leaf {jax.tree_util.keystr(path)} has shape"
-          f" {np.shape(g)}, but the params given to `init` have shape"
-          f" {np.shape(a)} there."
+        f"`updates` leaf {jax.tree_util.keystr(path)} has shape"
+        f" {np.shape(g)}, but the params given to `init` have shape"
+        f" {np.shape(a)} there."
       )
 
 
@@ -130,8 +130,8 @@ def _scalar(value: Any, name: str, dtype: Any) -> jax.Array:
   value = jnp.asarray(value)
   if value.ndim != 0:
     raise ValueError(
-        f"`{name}` must be a scalar (one value per micro-batch), got shape"
-        f" {value.shape}."
+      f"`{name}` must be a scalar (one value per micro-batch), got shape"
+      f" {value.shape}."
     )
   return value.astype(dtype)
 
@@ -144,8 +144,8 @@ def _compute_dtype(acc_dtype: Any) -> Any:
 def _holds_exactly(wide: Any, narrow: Any) -> bool:
   """Whether every value of dtype `narrow` survives a trip through `wide`."""
   return jnp.dtype(wide) == jnp.dtype(narrow) or (
-      jnp.promote_types(wide, narrow) == jnp.dtype(wide)
-      and jnp.issubdtype(narrow, jnp.inexact)
+    jnp.promote_types(wide, narrow) == jnp.dtype(wide)
+    and jnp.issubdtype(narrow, jnp.inexact)
   )
 
 
@@ -155,15 +155,15 @@ def _holds_exactly(wide: Any, narrow: Any) -> bool:
 
 
 def accumulate(
-    inner: optax.GradientTransformation,
-    every_k: EveryK,
-    *,
-    reduction: str = "mean",
-    accumulator_dtype: Any = jnp.float32,
-    skip_nonfinite: bool = False,
-    axis_name: Hashable | None = None,
-    track_noise_scale: bool = False,
-    noise_scale_decay: float = 0.99,
+  inner: optax.GradientTransformation,
+  every_k: EveryK,
+  *,
+  reduction: str = "mean",
+  accumulator_dtype: Any = jnp.float32,
+  skip_nonfinite: bool = False,
+  axis_name: Hashable | None = None,
+  track_noise_scale: bool = False,
+  noise_scale_decay: float = 0.99,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates gradients over ``every_k`` micro-batches, then runs ``inner``.
 
@@ -248,7 +248,7 @@ def accumulate(
   """
   every_k = _check_every_k(every_k)
   accumulator_dtype = _check_options(
-      reduction, accumulator_dtype, axis_name, noise_scale_decay
+    reduction, accumulator_dtype, axis_name, noise_scale_decay
   )
   inner = optax.with_extra_args_support(inner)
 
@@ -267,28 +267,28 @@ def accumulate(
     # Separate calls: every leaf is its own buffer, so the whole state can
     # be donated to jit.
     return AccumulateState(
-        micro_step=jnp.zeros([], jnp.int32),
-        step=jnp.zeros([], jnp.int32),
-        acc_grads=jax.tree.map(zeros_like_param, params),
-        acc_weight=jnp.zeros([], jnp.float32),
-        inner_state=inner.init(params),
-        num_skipped=jnp.zeros([], jnp.int32),
-        emitted=jnp.zeros([], jnp.bool_),
-        noise_sq_norm_sum=jnp.zeros([], jnp.float32),
-        noise_count=jnp.zeros([], jnp.int32),
-        noise_grad_sq=jnp.zeros([], jnp.float32),
-        noise_trace=jnp.zeros([], jnp.float32),
-        noise_cycles=jnp.zeros([], jnp.int32),
+      micro_step=jnp.zeros([], jnp.int32),
+      step=jnp.zeros([], jnp.int32),
+      acc_grads=jax.tree.map(zeros_like_param, params),
+      acc_weight=jnp.zeros([], jnp.float32),
+      inner_state=inner.init(params),
+      num_skipped=jnp.zeros([], jnp.int32),
+      emitted=jnp.zeros([], jnp.bool_),
+      noise_sq_norm_sum=jnp.zeros([], jnp.float32),
+      noise_count=jnp.zeros([], jnp.int32),
+      noise_grad_sq=jnp.zeros([], jnp.float32),
+      noise_trace=jnp.zeros([], jnp.float32),
+      noise_cycles=jnp.zeros([], jnp.int32),
     )
 
   def update_fn(
-      updates: optax.Updates,
-      state: AccumulateState,
-      params: optax.Params | None = None,
-      *,
-      weight: Any = None,
-      flush: Any = False,
-      **extra_args: Any,
+    updates: optax.Updates,
+    state: AccumulateState,
+    params: optax.Params | None = None,
+    *,
+    weight: Any = None,
+    flush: Any = False,
+    **extra_args: Any,
   ) -> tuple[optax.Updates, AccumulateState]:
     # Why the step looks like this. A micro-step should cost a gradient add.
     # On XLA:CPU, the operands and results of a conditional are materialised
@@ -305,34 +305,38 @@ def accumulate(
     # emitting branch.
     if not isinstance(state, AccumulateState):
       raise TypeError(
-          "`state` must be the AccumulateState returned by this"
-          f" transformation's init, got {type(state).__name__}."
+        "`state` must be the AccumulateState returned by this"
+        f" transformation's init, got {type(state).__name__}."
       )
     _check_grads_match(updates, state.acc_grads)
     grads = updates
     has_weight = weight is not None
     weight = _scalar(1.0 if weight is None else weight, "weight", jnp.float32)
 
-    if every_k == 1 and not has_weight and flush is False and not (
-        skip_nonfinite or axis_name is not None
+    if (
+      every_k == 1
+      and not has_weight
+      and flush is False
+      and not (skip_nonfinite or axis_name is not None)
     ):
       # Every call emits and the mean of one unweighted gradient is the
       # gradient itself: call the inner directly, bit for bit like `inner`
-      # alone, with no conditional and no accumulator traffic.
-      # (The state's accumulator is left untouched.)
+      # alone, with no conditional and no accumulator traffic (the state's
+      # accumulator is left as it is).
       new_updates, inner_state = inner.update(
-          grads, state.inner_state, params, **extra_args
+        grads, state.inner_state, params, **extra_args
       )
       return new_updates, state._replace(
-          step=optax.safe_increment(state.step),
-          inner_state=inner_state,
-          emitted=jnp.asarray(True),
+        step=optax.safe_increment(state.step),
+        inner_state=inner_state,
+        emitted=jnp.asarray(True),
       )
 
+    may_flush = flush is not False  # a Python False needs no collective
     flush = _scalar(flush, "flush", jnp.bool_)
     grad_leaves = jax.tree.leaves(grads)
     grad_types = jax.tree.map(
-        lambda g: jax.ShapeDtypeStruct(jnp.shape(g), jnp.result_type(g)), grads
+      lambda g: jax.ShapeDtypeStruct(jnp.shape(g), jnp.result_type(g)), grads
     )
     if skip_nonfinite:
       finite = jnp.isfinite(weight)
@@ -344,7 +348,8 @@ def accumulate(
       # Replicas must agree on what is skipped and on when a cycle ends.
       if skip_nonfinite:
         finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
-      flush = lax.pmax(flush.astype(jnp.int32), axis_name) > 0
+      if may_flush:
+        flush = lax.pmax(flush.astype(jnp.int32), axis_name) > 0
 
     # (1) + (2): the add, outside control flow; a new cycle starts from 0.
     fresh = state.micro_step == 0
@@ -364,26 +369,26 @@ def accumulate(
     accepted = finite.astype(jnp.int32)
     micro_step = state.micro_step + accepted
     total_weight = jnp.where(fresh, 0.0, state.acc_weight) + jnp.where(
-        finite, weight, 0.0
+      finite, weight, 0.0
     )
 
     noise = _noise_scale._NoiseFields(
-        sq_norm_sum=state.noise_sq_norm_sum,
-        count=state.noise_count,
-        grad_sq=state.noise_grad_sq,
-        trace=state.noise_trace,
-        cycles=state.noise_cycles,
+      sq_norm_sum=state.noise_sq_norm_sum,
+      count=state.noise_count,
+      grad_sq=state.noise_grad_sq,
+      trace=state.noise_trace,
+      cycles=state.noise_cycles,
     )
     if track_noise_scale:
       sq_norm = sum(
-          (jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grad_leaves),
-          jnp.zeros([], jnp.float32),
+        (jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grad_leaves),
+        jnp.zeros([], jnp.float32),
       )
       counted = finite & (weight > 0)
       noise = noise._replace(
-          sq_norm_sum=jnp.where(fresh, 0.0, noise.sq_norm_sum)
-          + jnp.where(counted, weight * sq_norm, 0.0),
-          count=jnp.where(fresh, 0, noise.count) + counted.astype(jnp.int32),
+        sq_norm_sum=jnp.where(fresh, 0.0, noise.sq_norm_sum)
+        + jnp.where(counted, weight * sq_norm, 0.0),
+        count=jnp.where(fresh, 0, noise.count) + counted.astype(jnp.int32),
       )
 
     if callable(every_k):
@@ -402,29 +407,31 @@ def accumulate(
       enter = cycle_end & (micro_step > 0)
 
     inner_shapes = jax.eval_shape(
-        lambda g, s, p: inner.update(g, s, p, **extra_args),
-        grad_types,
-        state.inner_state,
-        params,
+      lambda g, s, p: inner.update(g, s, p, **extra_args),
+      grad_types,
+      state.inner_state,
+      params,
     )
     inner_updates_shape = inner_shapes[0]
     # (3) applies when each update leaf fits its accumulator leaf exactly.
-    reuse_buffer = jax.tree.structure(inner_updates_shape) == jax.tree.structure(
-        acc
-    ) and all(
-        u.shape == a.shape and _holds_exactly(a.dtype, u.dtype)
-        for u, a in zip(jax.tree.leaves(inner_updates_shape), jax.tree.leaves(acc), strict=False)
+    reuse_buffer = jax.tree.structure(
+      inner_updates_shape
+    ) == jax.tree.structure(acc) and all(
+      u.shape == a.shape and _holds_exactly(a.dtype, u.dtype)
+      for u, a in zip(
+        jax.tree.leaves(inner_updates_shape), jax.tree.leaves(acc), strict=True
+      )
     )
 
     def zero_updates():
       return jax.tree.map(
-          lambda s: jnp.zeros(s.shape, s.dtype), inner_updates_shape
+        lambda s: jnp.zeros(s.shape, s.dtype), inner_updates_shape
       )
 
     def run_inner(acc, total_weight, noise, inner_state, params):
       if axis_name is not None:
         acc, total_weight, noise_sums = lax.psum(
-            (acc, total_weight, (noise.sq_norm_sum, noise.count)), axis_name
+          (acc, total_weight, (noise.sq_norm_sum, noise.count)), axis_name
         )
         noise = noise._replace(sq_norm_sum=noise_sums[0], count=noise_sums[1])
       positive = total_weight > 0
@@ -445,24 +452,27 @@ def accumulate(
       grad = jax.tree.map(mean_grad, acc, grad_types)
       if track_noise_scale:
         mean_sq = sum(
-            (jnp.sum(jnp.square(a.astype(jnp.float32) * inv_weight))
-             for a in jax.tree.leaves(acc)),
-            jnp.zeros([], jnp.float32),
+          (
+            jnp.sum(jnp.square(a.astype(jnp.float32) * inv_weight))
+            for a in jax.tree.leaves(acc)
+          ),
+          jnp.zeros([], jnp.float32),
         )
         noise = _noise_scale._fold_cycle(
-            noise, mean_sq, total_weight, noise_scale_decay
+          noise, mean_sq, total_weight, noise_scale_decay
         )
 
       def apply(grad, inner_state):
         new_updates, new_state = inner.update(
-            grad, inner_state, params, **extra_args
+          grad, inner_state, params, **extra_args
         )
         # Branches must agree on types: keep every state leaf's dtype.
         new_state = jax.tree.map(
-            lambda new, old: new if new.dtype == old.dtype
-            else new.astype(old.dtype),
-            new_state,
-            inner_state,
+          lambda new, old: (
+            new if new.dtype == old.dtype else new.astype(old.dtype)
+          ),
+          new_state,
+          inner_state,
         )
         return new_updates, new_state, jnp.asarray(True)
 
@@ -473,11 +483,11 @@ def accumulate(
         new_updates, inner_state, emitted = apply(grad, inner_state)
       else:
         new_updates, inner_state, emitted = lax.cond(
-            positive, apply, hold, grad, inner_state
+          positive, apply, hold, grad, inner_state
         )
       if reuse_buffer:
         new_updates = jax.tree.map(
-            lambda u, a: u.astype(a.dtype), new_updates, acc
+          lambda u, a: u.astype(a.dtype), new_updates, acc
         )
       return new_updates, total_weight, noise, inner_state, emitted
 
@@ -487,35 +497,41 @@ def accumulate(
       return held, total_weight, noise, inner_state, jnp.asarray(False)
 
     out, total_weight, noise, inner_state, emitted = lax.cond(
-        enter, run_inner, keep, acc, total_weight, noise, state.inner_state,
-        params,
+      enter,
+      run_inner,
+      keep,
+      acc,
+      total_weight,
+      noise,
+      state.inner_state,
+      params,
     )
     if reuse_buffer:
       # (4) the buffer holds the updates after emission, the sum otherwise.
       new_updates = jax.tree.map(
-          lambda b, s: jnp.where(emitted, b.astype(s.dtype), 0),
-          out,
-          inner_updates_shape,
+        lambda b, s: jnp.where(emitted, b.astype(s.dtype), 0),
+        out,
+        inner_updates_shape,
       )
       acc = out
     else:
       new_updates = out
 
     new_state = AccumulateState(
-        micro_step=jnp.where(cycle_end, 0, micro_step),
-        step=jnp.where(emitted, optax.safe_increment(state.step), state.step),
-        acc_grads=acc,
-        acc_weight=total_weight,
-        inner_state=inner_state,
-        num_skipped=jnp.where(
-            finite, state.num_skipped, optax.safe_increment(state.num_skipped)
-        ),
-        emitted=emitted,
-        noise_sq_norm_sum=noise.sq_norm_sum,
-        noise_count=noise.count,
-        noise_grad_sq=noise.grad_sq,
-        noise_trace=noise.trace,
-        noise_cycles=noise.cycles,
+      micro_step=jnp.where(cycle_end, 0, micro_step),
+      step=jnp.where(emitted, optax.safe_increment(state.step), state.step),
+      acc_grads=acc,
+      acc_weight=total_weight,
+      inner_state=inner_state,
+      num_skipped=jnp.where(
+        finite, state.num_skipped, optax.safe_increment(state.num_skipped)
+      ),
+      emitted=emitted,
+      noise_sq_norm_sum=noise.sq_norm_sum,
+      noise_count=noise.count,
+      noise_grad_sq=noise.grad_sq,
+      noise_trace=noise.trace,
+      noise_cycles=noise.cycles,
     )
     return new_updates, new_state
 

@@ -43,10 +43,10 @@ class _NoiseFields(NamedTuple):
 
 
 def _fold_cycle(
-    fields: _NoiseFields,
-    mean_sq_norm: jax.Array,
-    total_weight: jax.Array,
-    decay: float,
+  fields: _NoiseFields,
+  mean_sq_norm: jax.Array,
+  total_weight: jax.Array,
+  decay: float,
 ) -> _NoiseFields:
   """Folds one finished cycle into the moving averages, then resets it."""
   count = fields.count.astype(jnp.float32)
@@ -57,20 +57,20 @@ def _fold_cycle(
   grad_sq = mean_sq_norm - trace / safe_weight
   keep = jnp.asarray(decay, jnp.float32)
   return _NoiseFields(
-      sq_norm_sum=jnp.zeros_like(fields.sq_norm_sum),
-      count=jnp.zeros_like(fields.count),
-      grad_sq=jnp.where(
-          valid, keep * fields.grad_sq + (1 - keep) * grad_sq, fields.grad_sq
-      ),
-      trace=jnp.where(
-          valid, keep * fields.trace + (1 - keep) * trace, fields.trace
-      ),
-      cycles=fields.cycles + valid.astype(fields.cycles.dtype),
+    sq_norm_sum=jnp.zeros_like(fields.sq_norm_sum),
+    count=jnp.zeros_like(fields.count),
+    grad_sq=jnp.where(
+      valid, keep * fields.grad_sq + (1 - keep) * grad_sq, fields.grad_sq
+    ),
+    trace=jnp.where(
+      valid, keep * fields.trace + (1 - keep) * trace, fields.trace
+    ),
+    cycles=fields.cycles + valid.astype(fields.cycles.dtype),
   )
 
 
 def noise_scale_components(
-    state: AccumulateState, *, noise_scale_decay: float = 0.99
+  state: AccumulateState, *, noise_scale_decay: float = 0.99
 ) -> tuple[jax.Array, jax.Array]:
   """The bias-corrected moving averages of :math:`|G|^2` and :math:`\\mathrm{tr}\\Sigma`.
 
@@ -87,7 +87,7 @@ def noise_scale_components(
   """
   if not isinstance(state, AccumulateState):
     raise TypeError(
-        f"`state` must be an AccumulateState, got {type(state).__name__}."
+      f"`state` must be an AccumulateState, got {type(state).__name__}."
     )
   cycles = state.noise_cycles
   correction = 1 - jnp.asarray(noise_scale_decay, jnp.float32) ** cycles

@@ -86,7 +86,7 @@ def has_updated(state: AccumulateState) -> jax.Array:
   """
   if not isinstance(state, AccumulateState):
     raise TypeError(
-        "`state` must be an AccumulateState (the state of"
-        f" optax_accum.accumulate), got {type(state).__name__}."
+      "`state` must be an AccumulateState (the state of"
+      f" optax_accum.accumulate), got {type(state).__name__}."
     )
   return state.emitted

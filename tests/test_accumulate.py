@@ -40,15 +40,15 @@ def _grads(i):
 
 def _tree_equal(a, b):
   return all(
-      bool(jnp.array_equal(x, y)) and x.dtype == y.dtype
-      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=False)
+    bool(jnp.array_equal(x, y)) and x.dtype == y.dtype
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=False)
   ) and jax.tree.structure(a) == jax.tree.structure(b)
 
 
 def _identity():
   """An inner that returns the gradient it receives: shows what reached it."""
   return optax.GradientTransformation(
-      lambda p: optax.EmptyState(), lambda u, s, p=None: (u, s)
+    lambda p: optax.EmptyState(), lambda u, s, p=None: (u, s)
   )
 
 
@@ -58,11 +58,11 @@ def _identity():
 
 
 INNERS = {
-    # sgd is one multiply: the same bits however XLA fuses it.
-    "sgd": (optax.sgd(0.5), 0.0),
-    # adam inside the conditional is fused differently from adam alone;
-    # float32 rounding of sqrt/divide differs by an ulp or so.
-    "adam": (optax.adam(1e-2), 1e-6),
+  # sgd is one multiply: the same bits however XLA fuses it.
+  "sgd": (optax.sgd(0.5), 0.0),
+  # adam inside the conditional is fused differently from adam alone;
+  # float32 rounding of sqrt/divide differs by an ulp or so.
+  "adam": (optax.adam(1e-2), 1e-6),
 }
 
 
@@ -81,14 +81,12 @@ def test_zeros_until_k_then_inner_update_of_the_mean(maybe_jit, k, inner_name):
       before = state.inner_state
       updates, state = update(g, state, params)
       if i < k - 1:
-        assert _tree_equal(
-            updates, jax.tree.map(jnp.zeros_like, g)
-        ), "non-emitting call must return exact zeros"
+        assert _tree_equal(updates, jax.tree.map(jnp.zeros_like, g)), (
+          "non-emitting call must return exact zeros"
+        )
         assert _tree_equal(state.inner_state, before)
         assert not optax_accum.has_updated(state)
-    total = functools.reduce(
-        lambda a, b: jax.tree.map(jnp.add, a, b), grads
-    )
+    total = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), grads)
     mean = jax.tree.map(lambda t: t * (1.0 / k), total)
     expected, ref_state = inner.update(mean, ref_state, params)
     assert optax_accum.has_updated(state)
@@ -96,8 +94,7 @@ def test_zeros_until_k_then_inner_update_of_the_mean(maybe_jit, k, inner_name):
     assert int(state.micro_step) == 0
     # The mean is exact on both sides (k is a power of two).
     chex.assert_trees_all_close(updates, expected, rtol=rtol, atol=0)
-    chex.assert_trees_all_close(state.inner_state, ref_state, rtol=rtol,
-                                atol=0)
+    chex.assert_trees_all_close(state.inner_state, ref_state, rtol=rtol, atol=0)
     ref_state = state.inner_state  # compare the next cycle from equal states
 
 
@@ -148,7 +145,7 @@ def test_partial_sum_never_reaches_inner(maybe_jit):
     return inv, jax.tree.map(lambda s, i: s + i, state, inv)
 
   inner = optax.GradientTransformation(
-      lambda p: jax.tree.map(jnp.zeros_like, p), update
+    lambda p: jax.tree.map(jnp.zeros_like, p), update
   )
   tx = optax_accum.accumulate(inner, 4)
   params = {"w": jnp.zeros(3)}
@@ -157,8 +154,9 @@ def test_partial_sum_never_reaches_inner(maybe_jit):
   zero, one = {"w": jnp.zeros(3)}, {"w": jnp.ones(3)}
   for g in (zero, zero, zero, one):  # partial sums 0, 0, 0; full sum 1
     updates, state = step(g, state, params)
-    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(
-        (updates, state)))
+    assert all(
+      bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves((updates, state))
+    )
   np.testing.assert_array_equal(updates["w"], 4.0 * jnp.ones(3))
 
 
@@ -180,7 +178,9 @@ def _token_problem():
     return jnp.mean((x @ p["w"] - y) ** 2)
 
   bounds = np.cumsum((0,) + sizes)
-  micro = [(xs[a:b], ys[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=False)]
+  micro = [
+    (xs[a:b], ys[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=False)
+  ]
   return params, loss, micro, (xs, ys), sizes
 
 
@@ -211,8 +211,8 @@ def test_sum_reduction_emits_weighted_sum(maybe_jit):
   for i, w in enumerate(weights):
     out, state = update(_grads(i), state, params, weight=w)
   expected = jax.tree.map(
-      lambda a, b, c: ((0.0 + 0.5 * a) + 2.0 * b) + 4.0 * c,
-      *[_grads(i) for i in range(3)],
+    lambda a, b, c: ((0.0 + 0.5 * a) + 2.0 * b) + 4.0 * c,
+    *[_grads(i) for i in range(3)],
   )
   chex.assert_trees_all_close(out, expected, rtol=1e-6)
 
@@ -227,7 +227,7 @@ def test_zero_weight_counts_toward_k_but_contributes_nothing(maybe_jit):
   assert int(state.micro_step) == 2
   out, state = update(_grads(2), state, params, weight=2.0)
   expected = jax.tree.map(
-      lambda a, c: (2.0 * a + 2.0 * c) * (1.0 / 4.0), _grads(0), _grads(2)
+    lambda a, c: (2.0 * a + 2.0 * c) * (1.0 / 4.0), _grads(0), _grads(2)
   )
   chex.assert_trees_all_close(out, expected, rtol=1e-6)
 
@@ -258,7 +258,7 @@ def test_zero_total_weight_cycle_emits_zeros_without_nan(maybe_jit):
 
 
 def test_flush_emits_partial_window_normalised_by_what_was_accumulated(
-    maybe_jit,
+  maybe_jit,
 ):
   tx = optax_accum.accumulate(_identity(), 4)
   params = _params()
@@ -268,7 +268,7 @@ def test_flush_emits_partial_window_normalised_by_what_was_accumulated(
   out, state = update(_grads(1), state, params, weight=3.0, flush=True)
   assert optax_accum.has_updated(state)
   expected = jax.tree.map(
-      lambda a, b: (a + 3.0 * b) * (1.0 / 4.0), _grads(0), _grads(1)
+    lambda a, b: (a + 3.0 * b) * (1.0 / 4.0), _grads(0), _grads(1)
   )
   chex.assert_trees_all_close(out, expected, rtol=1e-6)
   assert int(state.micro_step) == 0 and int(state.step) == 1
@@ -320,21 +320,19 @@ def _needs_value():
     return jax.tree.map(lambda u: u * value, updates), state
 
   return optax.GradientTransformationExtraArgs(
-      lambda p: optax.EmptyState(), update
+    lambda p: optax.EmptyState(), update
   )
 
 
 def test_extra_args_reach_inner_also_inside_chain(maybe_jit):
-  tx = optax.chain(
-      optax.scale(1.0), optax_accum.accumulate(_needs_value(), 2)
-  )
+  tx = optax.chain(optax.scale(1.0), optax_accum.accumulate(_needs_value(), 2))
   params = _params()
   state = tx.init(params)
   update = maybe_jit(functools.partial(tx.update))
   _, state = update(_grads(0), state, params, value=3.0, weight=1.0)
   out, state = update(_grads(1), state, params, value=3.0, weight=3.0)
   expected = jax.tree.map(
-      lambda a, b: (a + 3.0 * b) * (1.0 / 4.0) * 3.0, _grads(0), _grads(1)
+    lambda a, b: (a + 3.0 * b) * (1.0 / 4.0) * 3.0, _grads(0), _grads(1)
   )
   chex.assert_trees_all_close(out, expected, rtol=1e-6)
 
@@ -350,7 +348,7 @@ def test_inner_schedule_advances_once_per_emitted_update(maybe_jit):
     _, state = update(_grads(i), state, params)
   assert int(state.inner_state.count) == 3
   np.testing.assert_allclose(
-      state.inner_state.hyperparams["learning_rate"], schedule(2), rtol=1e-6
+    state.inner_state.hyperparams["learning_rate"], schedule(2), rtol=1e-6
   )
 
 
@@ -380,12 +378,10 @@ def test_skip_nonfinite_drops_the_bad_micro_batch_only(maybe_jit, bad):
   _, state = update(good[1], state, params, weight=1.0)
   out, state = update(good[2], state, params, weight=1.0)
   assert optax_accum.has_updated(state)
-  expected = jax.tree.map(
-      lambda a, b, c: ((a + b) + c) * (1.0 / 3.0), *good
-  )
+  expected = jax.tree.map(lambda a, b, c: ((a + b) + c) * (1.0 / 3.0), *good)
   chex.assert_trees_all_close(out, expected, rtol=1e-6)
   assert all(
-      bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state.acc_grads)
+    bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state.acc_grads)
   )
 
 
@@ -428,10 +424,12 @@ def test_bf16_micro_batches_accumulate_in_float32():
 
 
 @pytest.mark.parametrize(
-    "inner",
-    [optax.adam(1e-3), optax.chain(optax.clip_by_global_norm(1.0),
-                                   optax.adamw(1e-3))],
-    ids=["adam", "clip_adamw"],
+  "inner",
+  [
+    optax.adam(1e-3),
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+  ],
+  ids=["adam", "clip_adamw"],
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_dtypes_match_inner_alone_and_state_types_never_change(inner, dtype):
@@ -443,7 +441,7 @@ def test_dtypes_match_inner_alone_and_state_types_never_change(inner, dtype):
 
   def types(tree):
     return jax.tree.map(
-        lambda x: (jnp.shape(x), jnp.result_type(x), x.weak_type), tree
+      lambda x: (jnp.shape(x), jnp.result_type(x), x.weak_type), tree
     )
 
   initial = types(state)
@@ -495,27 +493,33 @@ def test_empty_tree(maybe_jit):
 def test_inside_and_around_masked_and_multi_transform(maybe_jit):
   params = {"a": jnp.ones(3), "b": jnp.ones(2)}
   mask = {"a": True, "b": False}
-  grads = [{"a": jnp.full(3, float(i)), "b": jnp.full(2, 2.0 * i)}
-           for i in range(1, 3)]
+  grads = [
+    {"a": jnp.full(3, float(i)), "b": jnp.full(2, 2.0 * i)} for i in range(1, 3)
+  ]
   mean = {"a": jnp.full(3, 1.5), "b": jnp.full(2, 3.0)}
   variants = {
-      "inside_masked": optax_accum.accumulate(
-          optax.masked(optax.sgd(1.0), mask), 2),
-      "around_masked": optax.masked(
-          optax_accum.accumulate(optax.sgd(1.0), 2), mask),
-      "inside_multi": optax_accum.accumulate(
-          optax.multi_transform(
-              {"x": optax.sgd(1.0), "y": optax.sgd(2.0)},
-              {"a": "x", "b": "y"}), 2),
-      "around_multi": optax.multi_transform(
-          {"x": optax_accum.accumulate(optax.sgd(1.0), 2),
-           "y": optax.sgd(2.0)}, {"a": "x", "b": "y"}),
+    "inside_masked": optax_accum.accumulate(
+      optax.masked(optax.sgd(1.0), mask), 2
+    ),
+    "around_masked": optax.masked(
+      optax_accum.accumulate(optax.sgd(1.0), 2), mask
+    ),
+    "inside_multi": optax_accum.accumulate(
+      optax.multi_transform(
+        {"x": optax.sgd(1.0), "y": optax.sgd(2.0)}, {"a": "x", "b": "y"}
+      ),
+      2,
+    ),
+    "around_multi": optax.multi_transform(
+      {"x": optax_accum.accumulate(optax.sgd(1.0), 2), "y": optax.sgd(2.0)},
+      {"a": "x", "b": "y"},
+    ),
   }
   expected = {
-      "inside_masked": {"a": -mean["a"], "b": mean["b"]},
-      "around_masked": {"a": -mean["a"], "b": grads[1]["b"]},
-      "inside_multi": {"a": -mean["a"], "b": -2.0 * mean["b"]},
-      "around_multi": {"a": -mean["a"], "b": -2.0 * grads[1]["b"]},
+    "inside_masked": {"a": -mean["a"], "b": mean["b"]},
+    "around_masked": {"a": -mean["a"], "b": grads[1]["b"]},
+    "inside_multi": {"a": -mean["a"], "b": -2.0 * mean["b"]},
+    "around_multi": {"a": -mean["a"], "b": -2.0 * grads[1]["b"]},
   }
   for name, tx in variants.items():
     state = tx.init(params)
@@ -586,7 +590,7 @@ def test_state_roundtrips_mid_cycle_bitwise(maybe_jit):
   state, mid_params = run(tx.init(params), params, 0, 6)  # mid-cycle
   blob = flax.serialization.to_bytes((state, mid_params))
   restored, restored_params = flax.serialization.from_bytes(
-      (tx.init(params), params), blob
+    (tx.init(params), params), blob
   )
   assert int(restored.micro_step) == 2
   resumed_state, resumed_params = run(restored, restored_params, 6, 10)
@@ -600,21 +604,30 @@ def test_state_roundtrips_mid_cycle_bitwise(maybe_jit):
 
 
 @pytest.mark.parametrize(
-    "every_k, error",
-    [(0, ValueError), (-1, ValueError), (2.0, TypeError), (True, TypeError),
-     ("4", TypeError), (None, TypeError), (np.float32(2), TypeError),
-     (jnp.zeros(2, jnp.int32), TypeError), (np.int64(0), ValueError)],
-    ids=repr,
+  "every_k, error",
+  [
+    (0, ValueError),
+    (-1, ValueError),
+    (2.0, TypeError),
+    (True, TypeError),
+    ("4", TypeError),
+    (None, TypeError),
+    (np.float32(2), TypeError),
+    (jnp.zeros(2, jnp.int32), TypeError),
+    (np.int64(0), ValueError),
+  ],
+  ids=repr,
 )
 def test_bad_every_k_is_rejected_at_construction(every_k, error):
   with pytest.raises(error, match="every_k") as info:
     optax_accum.accumulate(optax.sgd(0.1), every_k)
-  assert repr(every_k).split("(")[0] in str(info.value) or str(
-      every_k) in str(info.value)
+  assert repr(every_k).split("(")[0] in str(info.value) or str(every_k) in str(
+    info.value
+  )
 
 
 @pytest.mark.parametrize(
-    "every_k", [np.int32(3), np.int64(3), jnp.int32(3), jnp.asarray(3)]
+  "every_k", [np.int32(3), np.int64(3), jnp.int32(3), jnp.asarray(3)]
 )
 def test_numpy_and_jax_integer_every_k_are_accepted(every_k):
   tx = optax_accum.accumulate(_identity(), every_k)
@@ -626,12 +639,14 @@ def test_numpy_and_jax_integer_every_k_are_accepted(every_k):
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
-    [({"reduction": "max"}, "reduction"),
-     ({"accumulator_dtype": jnp.int32}, "accumulator_dtype"),
-     ({"accumulator_dtype": "nonsense"}, "accumulator_dtype"),
-     ({"noise_scale_decay": 1.0}, "noise_scale_decay"),
-     ({"axis_name": ["a"]}, "axis_name")],
+  "kwargs, match",
+  [
+    ({"reduction": "max"}, "reduction"),
+    ({"accumulator_dtype": jnp.int32}, "accumulator_dtype"),
+    ({"accumulator_dtype": "nonsense"}, "accumulator_dtype"),
+    ({"noise_scale_decay": 1.0}, "noise_scale_decay"),
+    ({"axis_name": ["a"]}, "axis_name"),
+  ],
 )
 def test_bad_options_name_the_argument(kwargs, match):
   with pytest.raises((ValueError, TypeError), match=match):

@@ -25,12 +25,11 @@ TRUE_B = D * SIGMA**2 / float(jnp.sum(G**2))
 def _run(b_sizes, k, cycles, *, seed=0, axis_name=None, **kwargs):
   """Runs `cycles` cycles of k micro-batches whose sizes cycle over b_sizes."""
   tx = optax_accum.accumulate(
-      optax.sgd(0.0), k, track_noise_scale=True, axis_name=axis_name,
-      **kwargs
+    optax.sgd(0.0), k, track_noise_scale=True, axis_name=axis_name, **kwargs
   )
   params = jnp.zeros(D)
   sizes = jnp.asarray(
-      [b_sizes[i % len(b_sizes)] for i in range(k * cycles)], jnp.float32
+    [b_sizes[i % len(b_sizes)] for i in range(k * cycles)], jnp.float32
   )
   noise = jax.random.normal(jax.random.PRNGKey(seed), (k * cycles, D))
 
@@ -41,7 +40,7 @@ def _run(b_sizes, k, cycles, *, seed=0, axis_name=None, **kwargs):
     return state, None
 
   state, _ = jax.jit(lambda s: lax.scan(body, s, (sizes, noise)))(
-      tx.init(params)
+    tx.init(params)
   )
   return state
 
@@ -86,7 +85,7 @@ def test_single_micro_batch_cycles_give_no_estimate():
 def test_skipped_micro_batches_are_left_out():
   clean = _run([8], 4, cycles=50, skip_nonfinite=True)
   tx = optax_accum.accumulate(
-      optax.sgd(0.0), 4, track_noise_scale=True, skip_nonfinite=True
+    optax.sgd(0.0), 4, track_noise_scale=True, skip_nonfinite=True
   )
   params = jnp.zeros(D)
   sizes = jnp.full((200,), 8.0)
@@ -105,7 +104,7 @@ def test_skipped_micro_batches_are_left_out():
       state = step(state, sizes[i], noise[i], True)
   assert int(state.num_skipped) > 0
   np.testing.assert_array_equal(
-      optax_accum.noise_scale(state), optax_accum.noise_scale(clean)
+    optax_accum.noise_scale(state), optax_accum.noise_scale(clean)
   )
 
 
@@ -126,18 +125,19 @@ def test_axis_name_matches_single_device():
   params = jnp.zeros(D)
 
   dist_tx = optax_accum.accumulate(
-      optax.sgd(0.0), k, track_noise_scale=True, axis_name="dev"
+    optax.sgd(0.0), k, track_noise_scale=True, axis_name="dev"
   )
   local_tx = optax_accum.accumulate(
-      optax.sgd(0.0), k * n_dev, track_noise_scale=True
+    optax.sgd(0.0), k * n_dev, track_noise_scale=True
   )
 
   def dist_body(state, z):  # z: [k, n_dev, D]
     for i in range(k):
       g = G[None, :] + SIGMA / jnp.sqrt(b) * z[i]
       _, state = jax.vmap(
-          functools.partial(dist_tx.update, weight=b), axis_name="dev",
-          in_axes=(0, 0, None),
+        functools.partial(dist_tx.update, weight=b),
+        axis_name="dev",
+        in_axes=(0, 0, None),
       )(g, state, params)
     return state, None
 
@@ -151,10 +151,10 @@ def test_axis_name_matches_single_device():
   dist_state0 = jax.vmap(dist_tx.init, axis_size=n_dev, in_axes=None)(params)
   dist, _ = jax.jit(lambda s: lax.scan(dist_body, s, noise))(dist_state0)
   local, _ = jax.jit(lambda s: lax.scan(local_body, s, noise))(
-      local_tx.init(params)
+    local_tx.init(params)
   )
   per_device = jax.vmap(optax_accum.noise_scale)(dist)
   np.testing.assert_array_equal(per_device, per_device[0])  # all agree
   np.testing.assert_allclose(
-      per_device[0], optax_accum.noise_scale(local), rtol=1e-4
+    per_device[0], optax_accum.noise_scale(local), rtol=1e-4
   )
