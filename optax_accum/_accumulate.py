@@ -6,7 +6,6 @@ in ``update``): the accumulator add sits outside any control flow, and the
 inner optimizer runs inside a ``lax.cond`` that only emitting calls enter.
 """
 
-import operator
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -16,7 +15,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _noise_scale
+from optax_accum import _checks, _noise_scale
 from optax_accum._state import AccumulateState
 
 EveryK = int | Callable[[jax.Array], Any]
@@ -33,32 +32,9 @@ def _check_every_k(every_k: Any) -> EveryK:
   """Returns a Python int >= 1 or the schedule; raises naming `every_k`."""
   if callable(every_k) and not isinstance(every_k, jax.Array):
     return every_k
-  is_int_array = (
-    isinstance(every_k, (np.ndarray, np.generic, jax.Array))
-    and np.ndim(every_k) == 0
-    and np.issubdtype(np.asarray(every_k).dtype, np.integer)
+  return _checks.positive_int(
+    every_k, "every_k", " or a schedule (callable(step) -> int)"
   )
-  if isinstance(every_k, bool) or not (
-    isinstance(every_k, int) or is_int_array
-  ):
-    raise TypeError(
-      "`every_k` must be a positive integer or a schedule"
-      " (callable(step) -> int), got"
-      f" {every_k!r} of type {type(every_k).__name__}."
-    )
-  try:
-    k = operator.index(every_k)
-  except (TypeError, jax.errors.ConcretizationTypeError) as e:
-    raise TypeError(
-      "`every_k` must be a concrete integer; to change it during training"
-      f" pass a schedule (callable(step) -> int), got {every_k!r}."
-    ) from e
-  if k < 1:
-    raise ValueError(
-      f"`every_k` must be >= 1, got {k}: with 0 or fewer micro-batches per"
-      " cycle no update would ever be emitted."
-    )
-  return k
 
 
 def _check_options(
@@ -69,19 +45,7 @@ def _check_options(
     raise ValueError(
       f"`reduction` must be one of {_REDUCTIONS}, got {reduction!r}."
     )
-  if accumulator_dtype is not None:
-    try:
-      accumulator_dtype = jnp.dtype(accumulator_dtype)
-    except TypeError as e:
-      raise TypeError(
-        "`accumulator_dtype` must be a floating dtype or None, got"
-        f" {accumulator_dtype!r}."
-      ) from e
-    if not jnp.issubdtype(accumulator_dtype, jnp.inexact):
-      raise ValueError(
-        "`accumulator_dtype` must be a floating dtype or None, got"
-        f" {accumulator_dtype}."
-      )
+  accumulator_dtype = _checks.accumulator_dtype(accumulator_dtype)
   if axis_name is not None and not isinstance(axis_name, Hashable):
     raise TypeError(
       "`axis_name` must be None or a hashable axis name (str or tuple),"
@@ -147,6 +111,56 @@ def _holds_exactly(wide: Any, narrow: Any) -> bool:
     jnp.promote_types(wide, narrow) == jnp.dtype(wide)
     and jnp.issubdtype(narrow, jnp.inexact)
   )
+
+
+def _axis_names(axis_name: Hashable) -> frozenset:
+  return frozenset(axis_name if isinstance(axis_name, tuple) else (axis_name,))
+
+
+def _varying_axes(aval: Any) -> frozenset:
+  """Manual mesh axes a value varies over inside ``shard_map``, else empty."""
+  # jax >= 0.9: `mat` on avals, `manual_axis_type` on ShapeDtypeStruct;
+  # older jax: `vma`.
+  mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def _vary_over(x: Any, axes: frozenset) -> Any:
+  """Marks `x` as varying over `axes` (a no-op on the values)."""
+  missing = tuple(sorted(axes - _varying_axes(jax.typeof(x)), key=str))
+  if not missing:
+    return x
+  if hasattr(lax, "pcast"):
+    return lax.pcast(x, missing, to="varying")
+  return lax.pvary(x, missing)  # older jax
+
+
+def _cond(pred, true_fun, false_fun, *operands):
+  """``lax.cond`` whose branches may differ in the axes their outputs vary over.
+
+  Inside ``shard_map`` with ``check_vma=True`` (the default), a value summed
+  by ``psum`` in one branch no longer varies over the axis while the other
+  branch passes the unreduced value through, and ``lax.cond`` demands equal
+  types: each output is marked as varying over the union of both branches'
+  axes. When no operand varies (outside ``shard_map``, under ``vmap``) this
+  is plain ``lax.cond`` and the branches are not traced twice.
+  """
+  if not any(_varying_axes(jax.typeof(x)) for x in jax.tree.leaves(operands)):
+    return lax.cond(pred, true_fun, false_fun, *operands)
+  out_types = [jax.eval_shape(f, *operands) for f in (true_fun, false_fun)]
+  axes = jax.tree.map(
+    lambda a, b: _varying_axes(a) | _varying_axes(b), *out_types
+  )
+
+  def unify(fun):
+    def unified(*args):
+      return jax.tree.map(_vary_over, fun(*args), axes)
+
+    return unified
+
+  return lax.cond(pred, unify(true_fun), unify(false_fun), *operands)
 
 
 # ----------------------------------------------------------------------------
@@ -257,12 +271,15 @@ def accumulate(
 
   def init_fn(params: optax.Params) -> AccumulateState:
     def zeros_like_param(p):
-      # Keep the param's sharding; outside jit a committed param's sharding
-      # is copied explicitly, under jit the compiler propagates it.
+      # Keep the param's sharding. Outside jit a committed param's sharding
+      # is copied explicitly. Under jit, zeros_like keeps the sharding that
+      # an explicit-axes mesh puts in the tracer's type; with auto axes the
+      # zeros do not depend on the param and nothing is propagated: pass
+      # `out_shardings=optax_accum.state_shardings(tx, params)` to jit.
       sharding = getattr(p, "sharding", None)
       if isinstance(p, jax.Array) and not isinstance(p, jax.core.Tracer):
         return jnp.zeros(p.shape, acc_dtype(p), device=sharding)
-      return jnp.zeros(jnp.shape(p), acc_dtype(jnp.asarray(p)))
+      return jnp.zeros_like(p, dtype=acc_dtype(jnp.asarray(p)))
 
     # Separate calls: every leaf is its own buffer, so the whole state can
     # be donated to jit.
@@ -422,6 +439,16 @@ def accumulate(
         jax.tree.leaves(inner_updates_shape), jax.tree.leaves(acc), strict=True
       )
     )
+    # Not inside shard_map with check_vma=True: there the accumulator varies
+    # over `axis_name` while the updates, summed over it, do not, and one
+    # buffer cannot hold both types.
+    reuse_buffer = reuse_buffer and not (
+      axis_name is not None
+      and any(
+        _axis_names(axis_name) & _varying_axes(jax.typeof(a))
+        for a in jax.tree.leaves(acc)
+      )
+    )
 
     def zero_updates():
       return jax.tree.map(
@@ -462,7 +489,7 @@ def accumulate(
           noise, mean_sq, total_weight, noise_scale_decay
         )
 
-      def apply(grad, inner_state):
+      def apply(grad, inner_state, params):
         new_updates, new_state = inner.update(
           grad, inner_state, params, **extra_args
         )
@@ -476,14 +503,15 @@ def accumulate(
         )
         return new_updates, new_state, jnp.asarray(True)
 
-      def hold(grad, inner_state):
+      def hold(grad, inner_state, params):
+        del params
         return zero_updates(), inner_state, jnp.asarray(False)
 
       if axis_name is None:
-        new_updates, inner_state, emitted = apply(grad, inner_state)
+        new_updates, inner_state, emitted = apply(grad, inner_state, params)
       else:
-        new_updates, inner_state, emitted = lax.cond(
-          positive, apply, hold, grad, inner_state
+        new_updates, inner_state, emitted = _cond(
+          positive, apply, hold, grad, inner_state, params
         )
       if reuse_buffer:
         new_updates = jax.tree.map(
@@ -496,7 +524,8 @@ def accumulate(
       held = acc if reuse_buffer else zero_updates()
       return held, total_weight, noise, inner_state, jnp.asarray(False)
 
-    out, total_weight, noise, inner_state, emitted = lax.cond(
+    cond = lax.cond if axis_name is None else _cond
+    out, total_weight, noise, inner_state, emitted = cond(
       enter,
       run_inner,
       keep,

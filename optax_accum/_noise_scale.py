@@ -89,12 +89,16 @@ def noise_scale_components(
     raise TypeError(
       f"`state` must be an AccumulateState, got {type(state).__name__}."
     )
-  cycles = state.noise_cycles
+  # jnp.asarray unwraps array-like leaves too, such as the OptArray leaves
+  # of a flax.nnx.Optimizer's opt_state.
+  cycles = jnp.asarray(state.noise_cycles)
   correction = 1 - jnp.asarray(noise_scale_decay, jnp.float32) ** cycles
   ready = cycles > 0
   correction = jnp.where(ready, correction, 1.0)
-  grad_sq = jnp.where(ready, state.noise_grad_sq / correction, jnp.nan)
-  trace = jnp.where(ready, state.noise_trace / correction, jnp.nan)
+  grad_sq = jnp.where(
+    ready, jnp.asarray(state.noise_grad_sq) / correction, jnp.nan
+  )
+  trace = jnp.where(ready, jnp.asarray(state.noise_trace) / correction, jnp.nan)
   return grad_sq, trace
 
 

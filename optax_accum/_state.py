@@ -3,6 +3,7 @@
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 
@@ -89,4 +90,6 @@ def has_updated(state: AccumulateState) -> jax.Array:
       "`state` must be an AccumulateState (the state of"
       f" optax_accum.accumulate), got {type(state).__name__}."
     )
-  return state.emitted
+  # jnp.asarray unwraps array-like leaves too, such as the OptArray leaves
+  # of a flax.nnx.Optimizer's opt_state.
+  return jnp.asarray(state.emitted)

@@ -1,0 +1,58 @@
+"""Construction-time argument checks shared by the public factories.
+
+Each raises a `TypeError` or `ValueError` whose message names the argument in
+backticks and shows the value received.
+"""
+
+import operator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def positive_int(value: Any, name: str, hint: str = "") -> int:
+  """Returns `value` as a Python int >= 1 (NumPy/JAX integer scalars too).
+
+  Args:
+    value: What the user passed.
+    name: The argument's name, for the message.
+    hint: Appended to the type error, e.g. what else the argument accepts.
+  """
+  is_int_array = (
+    isinstance(value, (np.ndarray, np.generic, jax.Array))
+    and np.ndim(value) == 0
+    and np.issubdtype(np.asarray(value).dtype, np.integer)
+  )
+  if isinstance(value, bool) or not (isinstance(value, int) or is_int_array):
+    raise TypeError(
+      f"`{name}` must be a positive integer{hint}, got {value!r} of type"
+      f" {type(value).__name__}."
+    )
+  try:
+    number = operator.index(value)
+  except (TypeError, jax.errors.ConcretizationTypeError) as e:
+    raise TypeError(
+      f"`{name}` must be a concrete integer, got a traced value {value!r}."
+    ) from e
+  if number < 1:
+    raise ValueError(f"`{name}` must be >= 1, got {number}.")
+  return number
+
+
+def accumulator_dtype(value: Any) -> Any:
+  """Returns `value` as a floating (or complex) dtype, or None."""
+  if value is None:
+    return None
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError as e:
+    raise TypeError(
+      f"`accumulator_dtype` must be a floating dtype or None, got {value!r}."
+    ) from e
+  if not jnp.issubdtype(dtype, jnp.inexact):
+    raise ValueError(
+      f"`accumulator_dtype` must be a floating dtype or None, got {dtype}."
+    )
+  return dtype

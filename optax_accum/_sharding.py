@@ -1,0 +1,123 @@
+"""Shardings of an optimizer state that follow the parameters' shardings."""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def _init_fn(tx: Any) -> Callable[[Any], Any]:
+  init = getattr(tx, "init", tx)
+  if not callable(init):
+    raise TypeError(
+      "`tx` must be an optax.GradientTransformation (or its init function),"
+      f" got {tx!r} of type {type(tx).__name__}."
+    )
+  return init
+
+
+def _param_shardings(params: Any) -> list[tuple[tuple, tuple, NamedSharding]]:
+  """(path, shape, sharding) of each param; raises naming `params`."""
+  found = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+      raise TypeError(
+        "`params` must be a tree of arrays or jax.ShapeDtypeStruct whose"
+        " `.sharding` is a jax.sharding.NamedSharding (e.g. put them with"
+        " `jax.device_put(params, NamedSharding(mesh, spec))`); leaf"
+        f" {jax.tree_util.keystr(path) or '<root>'} has sharding"
+        f" {sharding!r}."
+      )
+    found.append((tuple(path), tuple(leaf.shape), sharding))
+  if not found:
+    raise ValueError("`params` must hold at least one array, got none.")
+  meshes = {s.mesh for _, _, s in found}
+  if len(meshes) > 1:
+    raise ValueError(
+      "`params` must all be sharded over one mesh, got"
+      f" {len(meshes)} different meshes: {sorted(map(str, meshes))}."
+    )
+  return found
+
+
+def state_shardings(
+  tx: optax.GradientTransformation | Callable[[optax.Params], Any],
+  params: optax.Params,
+) -> Any:
+  """Shardings for the state of ``tx`` that follow the shardings of ``params``.
+
+  Returns a tree with the structure of ``tx.init(params)`` (found with
+  :func:`jax.eval_shape`, nothing is allocated) whose leaves are
+  ``NamedSharding``\\s on the params' mesh:
+
+  * a state leaf that is a copy of a param, such as the accumulator
+    ``acc_grads`` of :func:`optax_accum.accumulate` or the ``mu`` and ``nu``
+    of ``optax.adam``, gets that param's sharding. A copy is recognised by its
+    key path, which ends with the param's key path, and by its shape, which
+    equals the param's (the longest matching path wins);
+  * every other leaf (step counters, the total weight, factored second
+    moments of another shape, ...) is replicated: ``NamedSharding(mesh, P())``.
+
+  Any sharding is numerically correct; these only decide where each leaf
+  lives. Pass them to ``jax.jit(tx.init, out_shardings=...)`` (a jitted
+  ``init`` does not see the params' shardings: its zeros do not depend on the
+  params), to ``jax.device_put`` or to a checkpoint restore as the target
+  layout. ``tx.update`` under ``jit`` then keeps them: the accumulator and
+  the inner state are computed from arrays sharded like the params.
+
+  Args:
+    tx: The transformation whose state is wanted (any
+      ``optax.GradientTransformation``, e.g. an ``optax.chain`` holding
+      :func:`optax_accum.accumulate`), or its ``init`` function.
+    params: The params, as arrays or ``jax.ShapeDtypeStruct``\\s, each with a
+      ``NamedSharding`` (all on one mesh).
+
+  Returns:
+    A tree like ``tx.init(params)`` with ``NamedSharding`` leaves.
+
+  Raises:
+    TypeError: If ``tx`` has no ``init`` or a param has no ``NamedSharding``.
+    ValueError: If the params are on more than one mesh, or there are none.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, optax_accum
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
+    >>> params = {"w": jax.device_put(jnp.zeros((8, 2)),
+    ...                               NamedSharding(mesh, P("data")))}
+    >>> tx = optax_accum.accumulate(optax.adam(1e-3), every_k=4)
+    >>> shardings = optax_accum.state_shardings(tx, params)
+    >>> print(shardings.acc_grads["w"].spec, shardings.micro_step.spec)
+    P('data',) P()
+    >>> print(shardings.inner_state[0].mu["w"].spec)
+    P('data',)
+    >>> state = jax.jit(tx.init, out_shardings=shardings)(params)
+    >>> state.acc_grads["w"].sharding == params["w"].sharding
+    True
+  """
+  init = _init_fn(tx)
+  found = _param_shardings(params)
+  replicated = NamedSharding(found[0][2].mesh, P())
+  # Longest param path first, so that {"a": {"w"}} wins over {"w"}.
+  found.sort(key=lambda item: len(item[0]), reverse=True)
+  abstract = jax.tree.map(
+    lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params
+  )
+  state_shapes = jax.eval_shape(init, abstract)
+
+  def follow(path: tuple, leaf: Any) -> NamedSharding:
+    shape = tuple(leaf.shape)
+    for param_path, param_shape, sharding in found:
+      ends_with = len(param_path) <= len(path) and (
+        not param_path or path[-len(param_path) :] == param_path
+      )
+      if ends_with and shape == param_shape:
+        return sharding
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(follow, state_shapes)

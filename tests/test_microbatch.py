@@ -1,0 +1,463 @@
+"""Semantics of `optax_accum.microbatch`, with and without jit.
+
+Each test names the point it proves. Micro-batching changes the order of the
+float32 sums, so results are compared with the unsplit step at `TOL` (a few
+float32 ulps of values of order 1); they are exact where the arithmetic is
+the same on both sides (one micro-batch, power-of-two exact values).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
+
+# Every behaviour runs eagerly and under jit.
+MODES = {"nojit": lambda f: f, "jit": jax.jit}
+
+# Float32 sums in another order: a few ulps of values of order 1.
+TOL = {"rtol": 2e-5, "atol": 1e-6}
+
+
+@pytest.fixture(params=list(MODES), ids=list(MODES))
+def maybe_jit(request):
+  return MODES[request.param]
+
+
+# ---------------------------------------------------------------------------
+# A small token-level model: batch [B, T, D], per-token squared error.
+# ---------------------------------------------------------------------------
+
+BATCH, TOKENS, DIM, HIDDEN = 16, 4, 3, 5
+# Real tokens per row. With 8 micro-batches (rows i and i + 8), micro-batch 3
+# holds rows 3 and 11: all padding, so its per-token mean is 0/0 = NaN.
+LENGTHS = [4, 1, 3, 0, 2, 4, 1, 3, 4, 2, 2, 0, 3, 4, 2, 1]
+
+
+# Test data comes from numpy: eager `jax.random` costs seconds of compiles.
+
+
+def _normal(rng, shape):
+  return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
+def _params():
+  rng = np.random.default_rng(0)
+  return {"w1": _normal(rng, (DIM, HIDDEN)), "w2": _normal(rng, (HIDDEN,))}
+
+
+def _batch(lengths=LENGTHS, seed=1):
+  rng = np.random.default_rng(seed)
+  mask = np.arange(TOKENS)[None, :] < np.asarray(lengths)[:, None]
+  return {
+      "x": _normal(rng, (len(lengths), TOKENS, DIM)),
+      "y": _normal(rng, (len(lengths), TOKENS)),
+      "mask": jnp.asarray(mask, jnp.float32),
+  }
+
+
+def _full_batch():
+  return _batch(lengths=[TOKENS] * BATCH)
+
+
+def _tokens(batch):
+  return batch["mask"].sum()
+
+
+def _loss_with_aux(params, batch):
+  """Per-token mean over real tokens (no guard: 0/0 for an empty batch)."""
+  pred = jnp.tanh(batch["x"] @ params["w1"]) @ params["w2"]
+  err = pred - batch["y"]
+  mask = batch["mask"]
+  loss = jnp.sum(mask * err**2) / jnp.sum(mask)
+  aux = {
+      "mae": jnp.sum(mask * jnp.abs(err)) / jnp.sum(mask),  # float: mean
+      "tokens": jnp.sum(mask).astype(jnp.int32),  # int: summed
+      "large": jnp.any((mask > 0) & (jnp.abs(err) > 2.0)),  # bool: or-ed
+  }
+  return loss, aux
+
+
+def _loss(params, batch):
+  return _loss_with_aux(params, batch)[0]
+
+
+def _value_and_grad(has_aux):
+  if has_aux:
+    return jax.value_and_grad(_loss_with_aux, has_aux=True)
+  return jax.value_and_grad(_loss)
+
+
+# Unsplit references, compiled once per input shape.
+_REFERENCE = {aux: jax.jit(_value_and_grad(aux)) for aux in (False, True)}
+
+
+def _assert_trees_close(actual, expected, **tol):
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for a, e in zip(
+      jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True
+  ):
+    assert a.dtype == e.dtype and a.shape == e.shape
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+      np.testing.assert_allclose(a, e, **tol)
+    else:
+      np.testing.assert_array_equal(a, e)
+
+
+# ---------------------------------------------------------------------------
+# 1. Equals the unsplit step: plain mean and token-weighted mean.
+# ---------------------------------------------------------------------------
+
+# (num_microbatches, has_aux, weighted): unweighted runs on full rows (equal
+# token counts), weighted on ragged rows; with 8 micro-batches one of them is
+# all padding (see LENGTHS).
+EQUALITY_CASES = [
+    (2, False, False),
+    (4, True, False),
+    (4, False, True),
+    (8, True, True),
+]
+
+
+@pytest.mark.parametrize("n, has_aux, weighted", EQUALITY_CASES)
+def test_equals_the_unsplit_gradient(maybe_jit, n, has_aux, weighted):
+  params = _params()
+  batch = _batch() if weighted else _full_batch()
+  value_and_grad = _value_and_grad(has_aux)
+  grad_fn = optax_accum.microbatch(
+      value_and_grad, n, weight_fn=_tokens if weighted else None
+  )
+  out = maybe_jit(grad_fn)(params, batch)
+  expected = _REFERENCE[has_aux](params, batch)
+  _assert_trees_close(out, expected, **TOL)
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(out))
+
+
+def test_unweighted_mean_of_ragged_micro_batches_is_not_the_token_mean():
+  """The reason for `weight_fn`: equal weights are wrong for ragged data."""
+  params, batch = _params(), _batch(lengths=[1, 4] * (BATCH // 2))
+  loss, _ = optax_accum.microbatch(jax.value_and_grad(_loss), 2)(params, batch)
+  expected = _REFERENCE[False](params, batch)[0]
+  assert not np.allclose(loss, expected, rtol=1e-2)
+
+
+@pytest.mark.parametrize("has_aux, weighted", [(False, False), (True, True)])
+def test_one_microbatch_is_the_plain_function_exactly(
+    maybe_jit, has_aux, weighted
+):
+  params, batch = _params(), _batch()
+  value_and_grad = _value_and_grad(has_aux)
+  grad_fn = optax_accum.microbatch(
+      value_and_grad, 1, weight_fn=_tokens if weighted else None
+  )
+  _assert_trees_close(
+      maybe_jit(grad_fn)(params, batch),
+      maybe_jit(value_and_grad)(params, batch),
+      rtol=0,
+      atol=0,
+  )
+
+
+def test_zero_total_weight_gives_zeros_without_nan(maybe_jit):
+  params, batch = _params(), _batch(lengths=[0] * BATCH)
+  grad_fn = optax_accum.microbatch(
+      _value_and_grad(True), 4, weight_fn=_tokens
+  )
+  (loss, aux), grads = maybe_jit(grad_fn)(params, batch)
+  for x in [loss, aux["mae"], *jax.tree.leaves(grads)]:
+    np.testing.assert_array_equal(x, np.zeros_like(x))
+  assert aux["tokens"] == 0 and not aux["large"]
+
+
+def test_extra_args_and_kwargs_reach_every_call_unsplit(maybe_jit):
+  def loss_fn(params, batch, scale, *, offset):
+    return jnp.sum(scale) * _loss(params, batch) + offset
+
+  params, batch = _params(), _batch()
+  grad_fn = optax_accum.microbatch(
+      jax.value_and_grad(loss_fn), 4, weight_fn=_tokens
+  )
+  # `scale` has a leading size 3: it must not be split like the batch.
+  scale = jnp.array([0.5, 1.0, 0.25])
+  out = maybe_jit(grad_fn)(params, batch, scale, offset=0.5)
+  expected = jax.value_and_grad(loss_fn)(params, batch, scale, offset=0.5)
+  _assert_trees_close(out, expected, **TOL)
+
+
+# ---------------------------------------------------------------------------
+# 2. Dtypes: bf16 gradients summed in float32, returned in bf16.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "accumulator_dtype, expected",
+    [
+        # 1 + 15 * 2**-8 = 1.0586 in float32, / 16, rounded once to bf16.
+        (jnp.float32, 0.06640625),
+        # In bf16 each 1 + 2**-8 rounds back to 1: the small terms vanish.
+        (None, 0.0625),
+    ],
+)
+def test_bf16_grads_accumulate_in_accumulator_dtype(
+    maybe_jit, accumulator_dtype, expected
+):
+  def loss_fn(w, batch):
+    return w * jnp.mean(batch)
+
+  # 16 micro-batches of one row: micro-batch i's gradient is row i.
+  batch = jnp.array([1.0] + [2.0**-8] * 15, jnp.bfloat16)
+  grad_fn = optax_accum.microbatch(
+      jax.value_and_grad(loss_fn), 16, accumulator_dtype=accumulator_dtype
+  )
+  loss, grad = maybe_jit(grad_fn)(jnp.bfloat16(1.0), batch)
+  assert grad.dtype == jnp.bfloat16 and loss.dtype == jnp.bfloat16
+  assert float(grad) == expected
+  # The loss is always summed in float32.
+  assert float(loss) == 0.06640625
+
+
+# ---------------------------------------------------------------------------
+# 3. Peak memory follows the micro-batch.
+# ---------------------------------------------------------------------------
+
+
+def test_sixteen_microbatches_cut_compiled_temp_memory():
+  width, layers, batch_size = 256, 8, 2048
+
+  def loss_fn(params, batch):
+    h = batch["x"]
+    for w in params:
+      h = jnp.tanh(h @ w)
+    return jnp.mean((h - batch["y"]) ** 2)
+
+  params = [jax.ShapeDtypeStruct((width, width), jnp.float32)] * layers
+  batch = dict.fromkeys(
+      ("x", "y"), jax.ShapeDtypeStruct((batch_size, width), jnp.float32)
+  )
+
+  def temp_bytes(fn):
+    compiled = jax.jit(fn).lower(params, batch).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  value_and_grad = jax.value_and_grad(loss_fn)
+  unsplit = temp_bytes(value_and_grad)
+  split = temp_bytes(optax_accum.microbatch(value_and_grad, 16))
+  # Activations: 8 layers x 2048 x 256 float32 = 16 MiB unsplit.
+  assert split <= 0.35 * unsplit, (split, unsplit, split / unsplit)
+
+
+# ---------------------------------------------------------------------------
+# 4. Sharded batches stay sharded per micro-batch.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_sharded_batch_stays_sharded_in_every_microbatch(maybe_jit, axis_type):
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+  seen = []
+
+  def loss_fn(params, batch):
+    jax.debug.inspect_array_sharding(batch["x"], callback=seen.append)
+    return _loss(params, batch)
+
+  params = _params()
+  host_batch = _batch(lengths=LENGTHS * 4)  # 64 rows: 8 per device.
+  batch = jax.device_put(host_batch, NamedSharding(mesh, P("data")))
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  grad_fn = maybe_jit(
+      optax_accum.microbatch(jax.value_and_grad(loss_fn), 4, weight_fn=_tokens)
+  )
+  with jax.set_mesh(mesh):
+    out = grad_fn(params, batch)
+    if maybe_jit is jax.jit:
+      hlo = grad_fn.lower(params, batch).compile().as_text()
+      # The batch is never gathered: each device keeps its own rows.
+      assert "all-gather" not in hlo
+  # 16 rows per micro-batch: 2 from each of the 8 devices.
+  assert seen
+  for sharding in seen:
+    assert sharding.shard_shape((16, TOKENS, DIM)) == (2, TOKENS, DIM)
+  expected = _REFERENCE[False](_params(), host_batch)
+  _assert_trees_close(jax.device_get(out), expected, **TOL)
+
+
+def test_sharded_params_under_an_explicit_mesh_keep_their_sharding(maybe_jit):
+  """Gradients typed `f32[16@data, 8]` need a carry of that type."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  rng = np.random.default_rng(3)
+  w = _normal(rng, (16, 8))
+  x = _normal(rng, (32, 16))
+
+  def loss_fn(w, x):
+    return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+  grad_fn = maybe_jit(optax_accum.microbatch(jax.value_and_grad(loss_fn), 2))
+  with jax.set_mesh(mesh):
+    out = grad_fn(jax.device_put(w, P("data")), jax.device_put(x, P("data")))
+    assert out[1].sharding.spec == P("data", None)
+  expected = jax.jit(jax.value_and_grad(loss_fn))(w, x)
+  _assert_trees_close(jax.device_get(out), expected, **TOL)
+
+
+# ---------------------------------------------------------------------------
+# 5. Dropout: per-example keys travel with their rows.
+# ---------------------------------------------------------------------------
+
+
+def _dropout_loss(params, batch):
+  # Each example's mask comes from its own key, whatever micro-batch it
+  # lands in.
+  keep = jax.vmap(
+      lambda key: jax.random.bernoulli(key, 0.5, (TOKENS, HIDDEN))
+  )(batch["rng"])
+  hidden = jnp.tanh(batch["x"] @ params["w1"]) * keep * 2.0
+  err = hidden @ params["w2"] - batch["y"]
+  # A model taking one key would use batch["rng"][0]; its aux reports it.
+  return jnp.mean(err**2), {"key": batch["rng"][0]}
+
+
+_DROPOUT_VALUE_AND_GRAD = jax.value_and_grad(_dropout_loss, has_aux=True)
+_DROPOUT_REFERENCE = jax.jit(_DROPOUT_VALUE_AND_GRAD)
+
+
+def test_per_example_dropout_keys_make_result_independent_of_split(maybe_jit):
+  n = 4
+  params, batch = _params(), _full_batch()
+  # jax.random.split(key, BATCH) in a real step; numpy bits here (fast).
+  key_bits = np.random.default_rng(42).integers(0, 2**32, (BATCH, 2))
+  batch["rng"] = jax.random.wrap_key_data(key_bits.astype(np.uint32))
+  grad_fn = optax_accum.microbatch(_DROPOUT_VALUE_AND_GRAD, n)
+  (loss, aux), grads = maybe_jit(grad_fn)(params, batch)
+  (expected_loss, _), expected_grads = _DROPOUT_REFERENCE(params, batch)
+  _assert_trees_close((loss, grads), (expected_loss, expected_grads), **TOL)
+  # Keys are an "other" aux leaf: the last micro-batch (rows 3, 7, ...)
+  # reports its first key, row n - 1's.
+  np.testing.assert_array_equal(
+      jax.random.key_data(aux["key"]), jax.random.key_data(batch["rng"][n - 1])
+  )
+
+
+# ---------------------------------------------------------------------------
+# 6. Composes with `accumulate`: micro-batches in a step, steps in a cycle.
+# ---------------------------------------------------------------------------
+
+
+def test_composes_with_accumulate_to_the_big_batch_token_mean(maybe_jit):
+  params = _params()
+  batches = [_batch(seed=1), _batch(lengths=LENGTHS[::-1], seed=2)]
+  grad_fn = optax_accum.microbatch(
+      jax.value_and_grad(_loss), 4, weight_fn=_tokens
+  )
+  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
+
+  def step(params, state, batch):
+    _, grads = grad_fn(params, batch)
+    return tx.update(grads, state, params, weight=_tokens(batch))
+
+  step = maybe_jit(step)
+  state = tx.init(params)
+  updates, state = step(params, state, batches[0])
+  assert all(np.all(u == 0) for u in jax.tree.leaves(updates))
+  updates, state = step(params, state, batches[1])
+  both = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *batches)
+  _, grads = _REFERENCE[False](params, both)
+  expected = jax.tree.map(jnp.negative, grads)
+  _assert_trees_close(updates, expected, **TOL)
+
+
+# ---------------------------------------------------------------------------
+# 7. Bad arguments name the argument and the value received.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "num_microbatches, error, match",
+    [
+        (0, ValueError, "`num_microbatches` must be >= 1, got 0"),
+        (-2, ValueError, "`num_microbatches` must be >= 1, got -2"),
+        (2.0, TypeError, "`num_microbatches` .* got 2.0 of type float"),
+        ("2", TypeError, "`num_microbatches` .* got '2' of type str"),
+        (None, TypeError, "`num_microbatches` .* got None"),
+        (True, TypeError, "`num_microbatches` .* got True of type bool"),
+    ],
+)
+def test_bad_num_microbatches_is_rejected_at_construction(
+    num_microbatches, error, match
+):
+  with pytest.raises(error, match=match):
+    optax_accum.microbatch(jax.value_and_grad(_loss), num_microbatches)
+
+
+@pytest.mark.parametrize("num_microbatches", [np.int64(4), jnp.int32(4)])
+def test_numpy_and_jax_integers_are_accepted(num_microbatches):
+  grad_fn = optax_accum.microbatch(
+      jax.value_and_grad(lambda w, b: w * jnp.mean(b)), num_microbatches
+  )
+  loss, grad = grad_fn(jnp.float32(2.0), jnp.arange(8.0))
+  assert (float(loss), float(grad)) == (7.0, 3.5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"weight_fn": 3}, TypeError, "`weight_fn` .* got int"),
+        ({"accumulator_dtype": jnp.int32}, ValueError,
+         "`accumulator_dtype` .* got int32"),
+        ({"accumulator_dtype": "nope"}, TypeError,
+         "`accumulator_dtype` .* got 'nope'"),
+    ],
+)
+def test_bad_options_name_the_argument(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    optax_accum.microbatch(jax.value_and_grad(_loss), 2, **kwargs)
+
+
+def test_non_callable_value_and_grad_fn_is_rejected():
+  with pytest.raises(TypeError, match="`value_and_grad_fn` must be callable"):
+    optax_accum.microbatch(3.0, 2)
+
+
+BAD_BATCHES = {
+    "not_divisible": (
+        {"x": jnp.zeros((10, 3))},
+        r"batch size 10 .* not divisible by `num_microbatches`=4",
+    ),
+    "different_sizes": (
+        {"x": jnp.zeros((8, 3)), "y": jnp.zeros(6)},
+        r"same leading batch size, got sizes .*\['x'\].*: 8, .*\['y'\].*: 6",
+    ),
+    "scalar_leaf": (
+        {"x": jnp.zeros((8, 3)), "t": jnp.zeros(())},
+        r"`batch` leaf \['t'\] is a scalar",
+    ),
+    "no_leaves": ({}, r"`batch` \(argument 1\) must hold at least one array"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_BATCHES))
+def test_bad_batch_names_the_argument_and_sizes(maybe_jit, name):
+  batch, match = BAD_BATCHES[name]
+  grad_fn = optax_accum.microbatch(
+      jax.value_and_grad(lambda w, b: w * 1.0), 4
+  )
+  with pytest.raises(ValueError, match=match):
+    maybe_jit(grad_fn)(jnp.float32(1.0), batch)
+
+
+def test_non_scalar_weight_is_rejected(maybe_jit):
+  grad_fn = optax_accum.microbatch(
+      jax.value_and_grad(_loss), 4, weight_fn=lambda b: b["mask"].sum(1)
+  )
+  with pytest.raises(ValueError, match=r"`weight_fn` must return a scalar.*"
+                     r"got shape \(4,\)"):
+    maybe_jit(grad_fn)(_params(), _batch())
+
+
+def test_output_that_is_not_value_and_grad_is_rejected(maybe_jit):
+  grad_fn = optax_accum.microbatch(jax.grad(_loss), 4)
+  with pytest.raises(TypeError, match="`value_and_grad_fn` must return"):
+    maybe_jit(grad_fn)(_params(), _batch())
