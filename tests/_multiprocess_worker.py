@@ -1,0 +1,234 @@
+"""One process of the multi-process test (run by tests/test_multiprocess.py).
+
+Each process joins a `jax.distributed` job over loopback, owns
+``--xla_force_host_platform_device_count`` CPU devices (set by the parent),
+and trains a token-weighted linear model for two optimizer steps of
+``K`` micro-batches, twice:
+
+* ``gspmd``: ``jit`` with the batch sharded over every device of every
+  process and the params replicated; XLA reduces each micro-batch gradient.
+* ``shard_map``: each device passes its local, unreduced gradient to
+  ``accumulate(..., axis_name="data")``; the reduction happens once per
+  optimizer step.
+
+Both must equal a big-batch reference that this process computes alone on one
+of its devices from the whole data set (every process can build it: the data
+come from a fixed seed, and each process only puts its own shards on its
+devices). The results go to ``--out`` as JSON for the parent to check.
+
+Not a test module: importing it does nothing (pytest imports it to look for
+doctests).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+K = 2  # micro-batches per optimizer step
+STEPS = 2  # optimizer steps
+PER_DEVICE = 2  # examples per device per micro-batch
+SEQ, DIM, OUT = 5, 4, 3
+
+
+def _parse_args(argv):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--coordinator", required=True, help="host:port")
+  parser.add_argument("--num-processes", type=int, required=True)
+  parser.add_argument("--process-id", type=int, required=True)
+  parser.add_argument("--out", required=True, help="JSON result file")
+  return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+  args = _parse_args(argv)
+  # Before the backend starts: the parent sets the device count, this keeps
+  # the worker runnable by hand too.
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import optax_accum
+
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.config.update("jax_numpy_rank_promotion", "raise")
+  jax.distributed.initialize(
+    coordinator_address=args.coordinator,
+    num_processes=args.num_processes,
+    process_id=args.process_id,
+    initialization_timeout=60,
+  )
+  try:
+    n_dev = jax.device_count()
+    mesh = jax.make_mesh(
+      (n_dev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
+    )
+    replicated = NamedSharding(mesh, P())
+    by_batch = NamedSharding(mesh, P("data"))
+
+    # The whole data set, identical in every process: [step, micro, batch..].
+    rng = np.random.default_rng(0)
+    batch = n_dev * PER_DEVICE
+    x = rng.normal(size=(STEPS, K, batch, SEQ, DIM)).astype(np.float32)
+    y = rng.normal(size=(STEPS, K, batch, SEQ, OUT)).astype(np.float32)
+    # A different number of valid tokens per example (1 to SEQ).
+    lengths = rng.integers(1, SEQ + 1, size=(STEPS, K, batch))
+    mask = (np.arange(SEQ) < lengths[..., None]).astype(np.float32)
+    params0 = {
+      "w": np.asarray(rng.normal(size=(DIM, OUT)), np.float32),
+      "b": np.zeros(OUT, np.float32),
+    }
+
+    def sum_loss(params, x, y, mask):
+      err = (
+        jnp.einsum("btd,do->bto", x, params["w"]) + params["b"][None, None] - y
+      )
+      return jnp.sum(jnp.sum(err**2, axis=-1) * mask)
+
+    def mean_loss(params, x, y, mask):
+      """Token mean over the micro-batch, and its token count (the weight)."""
+      tokens = jnp.sum(mask)
+      return sum_loss(params, x, y, mask) / jnp.maximum(tokens, 1.0), tokens
+
+    # SGD with momentum: its update is linear in the gradient, so any error
+    # in the weighting shows (adam's first step would hide a scale error).
+    inner = optax.sgd(0.1, momentum=0.9)
+
+    # The reference: one device, one big batch per optimizer step.
+    local = jax.local_devices()[0]
+    ref = jax.device_put(params0, local)
+    ref_state = inner.init(ref)
+    for s in range(STEPS):
+      big = [
+        jax.device_put(a[s].reshape(-1, *a.shape[3:]), local)
+        for a in (x, y, mask)
+      ]
+      grad, _ = jax.grad(mean_loss, has_aux=True)(ref, *big)
+      updates, ref_state = inner.update(grad, ref_state, ref)
+      ref = optax.apply_updates(ref, updates)
+
+    def global_batch(a, s, i):
+      """Micro-batch i of step s, each process filling only its shards."""
+      part = a[s, i]
+      return jax.make_array_from_callback(
+        part.shape, by_batch, lambda index: part[index]
+      )
+
+    def fetch(tree):
+      return jax.tree.map(
+        lambda a: np.asarray(a.addressable_shards[0].data), tree
+      )
+
+    results = {}
+
+    # GSPMD: jit with a batch-sharded micro-batch, replicated params.
+    tx = optax_accum.accumulate(inner, K)
+    params = jax.device_put(params0, replicated)
+    state = jax.jit(
+      tx.init, out_shardings=optax_accum.state_shardings(tx, params)
+    )(params)
+
+    @jax.jit
+    def gspmd_step(params, state, x, y, mask):
+      grad, tokens = jax.grad(mean_loss, has_aux=True)(params, x, y, mask)
+      updates, state = tx.update(grad, state, params, weight=tokens)
+      return optax.apply_updates(params, updates), state
+
+    for s in range(STEPS):
+      for i in range(K):
+        params, state = gspmd_step(
+          params, state, *(global_batch(a, s, i) for a in (x, y, mask))
+        )
+    results["gspmd"] = fetch(params)
+    results["gspmd_step"] = int(fetch(state.step))
+
+    # shard_map: local gradients, reduced once per optimizer step.
+    tx = optax_accum.accumulate(inner, K, axis_name="data")
+    local_fields = (
+      "acc_grads",
+      "acc_weight",
+      "noise_sq_norm_sum",
+      "noise_count",
+    )
+    specs = optax_accum.AccumulateState(
+      **{
+        f: P("data") if f in local_fields else P()
+        for f in optax_accum.AccumulateState._fields
+      }
+    )
+
+    def add_device_axis(state):
+      return state._replace(
+        **{
+          f: jax.tree.map(lambda a: a[None], getattr(state, f))
+          for f in local_fields
+        }
+      )
+
+    def drop_device_axis(state):
+      return state._replace(
+        **{
+          f: jax.tree.map(lambda a: a[0], getattr(state, f))
+          for f in local_fields
+        }
+      )
+
+    init = jax.jit(
+      jax.shard_map(
+        lambda p: add_device_axis(tx.init(p)),
+        mesh=mesh,
+        in_specs=P(),
+        out_specs=specs,
+      )
+    )
+
+    def local_step(params, state, x, y, mask):
+      # Device-varying params: jax.grad returns the local gradient instead
+      # of all-reducing it itself on every micro-batch.
+      local_params = jax.lax.pcast(params, "data", to="varying")
+      grad, tokens = jax.grad(mean_loss, has_aux=True)(local_params, x, y, mask)
+      updates, state = tx.update(
+        grad, drop_device_axis(state), params, weight=tokens
+      )
+      return optax.apply_updates(params, updates), add_device_axis(state)
+
+    shard_step = jax.jit(
+      jax.shard_map(
+        local_step,
+        mesh=mesh,
+        in_specs=(P(), specs, P("data"), P("data"), P("data")),
+        out_specs=(P(), specs),
+      )
+    )
+    params = jax.device_put(params0, replicated)
+    state = init(params)
+    for s in range(STEPS):
+      for i in range(K):
+        params, state = shard_step(
+          params, state, *(global_batch(a, s, i) for a in (x, y, mask))
+        )
+    results["shard_map"] = fetch(params)
+    results["shard_map_step"] = int(fetch(state.step))
+    results["reference"] = fetch(ref)
+    results["process_count"] = jax.process_count()
+    results["device_count"] = n_dev
+    results["local_device_count"] = jax.local_device_count()
+
+    with open(args.out, "w") as f:
+      json.dump(
+        jax.tree.map(
+          lambda a: a.tolist() if isinstance(a, np.ndarray) else a,
+          results,
+        ),
+        f,
+      )
+  finally:
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,816 @@
+"""Distributed accumulation on the 8 simulated CPU devices (see conftest.py).
+
+1. Sharding follows params: `init` (eager, or jitted with the shardings of
+   `optax_accum.state_shardings`) and every `update` keep each accumulator
+   and inner-state leaf sharded like its param, on a 4x2 ("data", "model")
+   mesh and an FSDP layout.
+2. Deferred reduction with `axis_name`: under `shard_map` (and `vmap`) each
+   device passes its local gradient; the emitted update equals the
+   big-batch mean, replicas stay identical through skips and flushes, and
+   the compiled step reduces the gradient only in the emitting branch,
+   with shard_map's default `check_vma=True` and with `check_vma=False`.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
+
+N_DEV = 8
+MODES = {"nojit": lambda f: f, "jit": jax.jit}
+
+
+def _flat(tree):
+  return {
+    jax.tree_util.keystr(path): leaf
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
+
+
+# ---------------------------------------------------------------------------
+# 1. Sharding follows params.
+# ---------------------------------------------------------------------------
+
+# name -> (mesh shape, axis names, {param: (shape, spec)})
+LAYOUTS = {
+  "data_model": (
+    (4, 2),
+    ("data", "model"),
+    {
+      "w": ((8, 4), P("data", "model")),
+      "b": ((4,), P("model")),
+      "scale": ((), P()),
+    },
+  ),
+  # FSDP: every big param split over all devices on one axis, small ones
+  # replicated.
+  "fsdp": (
+    (8,),
+    ("fsdp",),
+    {
+      "dense": {
+        "kernel": ((16, 4), P("fsdp", None)),
+        "bias": ((8,), P("fsdp")),
+      },
+      "norm": ((3,), P()),
+    },
+  ),
+}
+
+INNERS = {
+  "adam": lambda: optax.adam(1e-2),
+  "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
+  "clip_adamw": lambda: optax.chain(
+    optax.clip_by_global_norm(1.0), optax.adamw(1e-2)
+  ),
+}
+
+
+def _sharded_params(layout, axis_type=AxisType.Auto):
+  mesh_shape, names, spec_tree = LAYOUTS[layout]
+  mesh = jax.make_mesh(mesh_shape, names, axis_types=(axis_type,) * len(names))
+  is_spec = lambda x: isinstance(x, tuple) and isinstance(x[1], P)  # noqa: E731
+  params = jax.tree.map(
+    lambda s: jax.device_put(
+      jnp.arange(np.prod(s[0]), dtype=jnp.float32).reshape(s[0]) / 7.0,
+      NamedSharding(mesh, s[1]),
+    ),
+    spec_tree,
+    is_leaf=is_spec,
+  )
+  return mesh, params
+
+
+def _grads_like(params, i):
+  keys = jax.random.split(jax.random.PRNGKey(i), len(jax.tree.leaves(params)))
+  leaves = [
+    jax.device_put(jax.random.normal(k, p.shape), p.sharding)
+    for k, p in zip(keys, jax.tree.leaves(params), strict=True)
+  ]
+  return jax.tree.unflatten(jax.tree.structure(params), leaves)
+
+
+def _expected_shardings(inner, params, mesh):
+  """The oracle: optax's own map over the param-shaped parts of a state."""
+  param_shardings = jax.tree.map(lambda p: p.sharding, params)
+  replicated = NamedSharding(mesh, P())
+  inner_state = jax.eval_shape(inner.init, params)
+  return param_shardings, optax.tree_map_params(
+    inner,
+    lambda _, sharding: sharding,
+    inner_state,
+    param_shardings,
+    transform_non_params=lambda _: replicated,
+  )
+
+
+def _assert_same_shardings(actual, expected, what):
+  actual, expected = _flat(actual), _flat(expected)
+  assert actual.keys() == expected.keys(), what
+  for path, sharding in expected.items():
+    got = actual[path]
+    got = getattr(got, "sharding", got)
+    assert (
+      isinstance(got, NamedSharding)
+      and got.mesh == sharding.mesh
+      and _norm(got.spec) == _norm(sharding.spec)
+    ), f"{what}{path}: got {got}, expected {sharding}"
+
+
+def _norm(spec):
+  """A PartitionSpec without trailing Nones (P('a', None) == P('a'))."""
+  spec = list(spec)
+  while spec and spec[-1] is None:
+    spec.pop()
+  return tuple(spec)
+
+
+@pytest.mark.parametrize("inner_name", list(INNERS))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_state_shardings_follow_params(layout, inner_name):
+  """Accumulator like the params, inner state as optax maps it, scalars
+  replicated; also for accumulate nested in a chain."""
+  mesh, params = _sharded_params(layout)
+  inner = INNERS[inner_name]()
+  tx = optax_accum.accumulate(inner, 2)
+  shardings = optax_accum.state_shardings(tx, params)
+  param_shardings, inner_expected = _expected_shardings(inner, params, mesh)
+  replicated = NamedSharding(mesh, P())
+
+  assert jax.tree.structure(shardings) == jax.tree.structure(
+    jax.eval_shape(tx.init, params)
+  )
+  _assert_same_shardings(shardings.acc_grads, param_shardings, "acc_grads")
+  _assert_same_shardings(shardings.inner_state, inner_expected, "inner_state")
+  for field in optax_accum.AccumulateState._fields:
+    if field not in ("acc_grads", "inner_state"):
+      assert getattr(shardings, field) == replicated, field
+
+  # The same from an abstract tree (checkpoint restore) and inside a chain.
+  abstract = jax.tree.map(
+    lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding),
+    params,
+  )
+  chained = optax.chain(optax.clip(1.0), tx)
+  chained_shardings = optax_accum.state_shardings(chained, abstract)
+  _assert_same_shardings(chained_shardings[1], shardings, "chain[1]")
+
+
+# States whose param-like parts optax.tree_map_params cannot map (masked
+# subtrees) or that hold leaves of other shapes (factored moments).
+ODD_INNERS = {
+  "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4),
+  "masked": lambda: optax.masked(
+    optax.adam(1e-2), lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+  ),
+  "multi_transform": lambda: optax.multi_transform(
+    {"big": optax.adam(1e-2), "small": optax.sgd(1e-2)},
+    lambda p: jax.tree.map(lambda x: "big" if x.ndim > 1 else "small", p),
+  ),
+}
+
+
+@pytest.mark.parametrize("inner_name", list(ODD_INNERS))
+def test_state_shardings_fit_any_inner_state(inner_name):
+  """Every leaf gets a sharding valid for its shape: the param's where the
+  shapes agree, replicated elsewhere, so jit(init) and a cycle of jitted
+  updates run with them."""
+  mesh, params = _sharded_params("fsdp")
+  tx = optax_accum.accumulate(ODD_INNERS[inner_name](), 2)
+  shardings = optax_accum.state_shardings(tx, params)
+  state = jax.jit(tx.init, out_shardings=shardings)(params)
+  shapes = _flat(jax.eval_shape(tx.init, params))
+  by_path = {
+    jax.tree_util.keystr(path): p
+    for path, p in jax.tree_util.tree_flatten_with_path(params)[0]
+  }
+  for path, sharding in _flat(shardings).items():
+    matched = [
+      p
+      for suffix, p in by_path.items()
+      if path.endswith(suffix) and p.shape == shapes[path].shape
+    ]
+    expected = matched[0].sharding if matched else NamedSharding(mesh, P())
+    assert sharding == expected, path
+  _, state = jax.jit(tx.update)(_grads_like(params, 0), state, params)
+  _, state = jax.jit(tx.update)(_grads_like(params, 1), state, params)
+  assert bool(optax_accum.has_updated(state))
+  _assert_same_shardings(
+    state.acc_grads, jax.tree.map(lambda p: p.sharding, params), "acc"
+  )
+
+
+# (layout, how init runs, whether update is jitted, mesh axis type). Eager
+# updates on 8 devices dispatch op by op (seconds per call): one case covers
+# them.
+SHARDING_CASES = [
+  ("data_model", "eager", "jit", AxisType.Auto),
+  ("data_model", "jit_out_shardings", "jit", AxisType.Auto),
+  ("fsdp", "eager", "jit", AxisType.Auto),
+  ("fsdp", "jit_out_shardings", "jit", AxisType.Auto),
+  ("data_model", "eager", "nojit", AxisType.Auto),
+  # jax.make_mesh's default axes: shardings are part of the types.
+  ("data_model", "jit_out_shardings", "jit", AxisType.Explicit),
+]
+
+
+@pytest.mark.parametrize(
+  "layout, init_mode, update_mode, axis_type", SHARDING_CASES
+)
+def test_init_and_update_keep_param_shardings(
+  layout, init_mode, update_mode, axis_type
+):
+  """Through a whole cycle and into the next, every param-shaped state leaf
+  and the updates stay sharded like their param, and the values are those
+  of an unsharded run (rtol 1e-6: adam inside a different fusion)."""
+  mesh, params = _sharded_params(layout, axis_type)
+  with jax.set_mesh(mesh):
+    _check_sharded_training(mesh, params, init_mode, update_mode)
+
+
+def _check_sharded_training(mesh, params, init_mode, update_mode):
+  inner = optax.adam(1e-2)
+  tx = optax_accum.accumulate(inner, 2)
+  shardings = optax_accum.state_shardings(tx, params)
+  if init_mode == "eager":
+    state = tx.init(params)
+  else:
+    state = jax.jit(tx.init, out_shardings=shardings)(params)
+  update = MODES[update_mode](tx.update)
+  host_params = jax.device_get(params)
+  host_state = tx.init(host_params)
+  host_update = jax.jit(tx.update)
+  param_shardings, inner_expected = _expected_shardings(inner, params, mesh)
+  inner_param_leaves = {
+    path: s for path, s in _flat(inner_expected).items() if s.spec != P()
+  }
+  assert inner_param_leaves  # adam's mu and nu
+  for i in range(3):
+    grads = _grads_like(params, i)
+    updates, state = update(grads, state, params)
+    host_updates, host_state = host_update(
+      jax.device_get(grads), host_state, host_params
+    )
+    _assert_same_shardings(state.acc_grads, param_shardings, f"step {i}: acc")
+    _assert_same_shardings(updates, param_shardings, f"step {i}: updates")
+    _assert_same_shardings(
+      {p: _flat(state.inner_state)[p] for p in inner_param_leaves},
+      inner_param_leaves,
+      f"step {i}: inner",
+    )
+    for a, b in zip(
+      jax.tree.leaves((updates, state)),
+      jax.tree.leaves((host_updates, host_state)),
+      strict=True,
+    ):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+  assert int(state.step) == 1
+
+
+def test_jitted_update_keeps_state_shardings_exactly():
+  """Under jit the whole state, scalars included, comes back with exactly
+  the shardings `state_shardings` gave it (no resharding between steps)."""
+  _, params = _sharded_params("data_model")
+  tx = optax_accum.accumulate(optax.adam(1e-2), 2)
+  shardings = optax_accum.state_shardings(tx, params)
+  state = jax.jit(tx.init, out_shardings=shardings)(params)
+  update = jax.jit(tx.update)
+  for i in range(2):
+    _, state = update(_grads_like(params, i), state, params)
+    _assert_same_shardings(state, shardings, f"step {i}: ")
+
+
+def test_state_shardings_restore_a_checkpoint_mid_cycle(tmp_path):
+  """Saved mid-cycle, restored into `state_shardings`: same layout, and
+  training goes on exactly as without the interruption."""
+  _, params = _sharded_params("fsdp")
+  tx = optax_accum.accumulate(optax.adam(1e-2), 3)
+  shardings = optax_accum.state_shardings(tx, params)
+  update = jax.jit(tx.update)
+  state = jax.jit(tx.init, out_shardings=shardings)(params)
+  for i in range(4):  # one cycle and a third
+    _, state = update(_grads_like(params, i), state, params)
+
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "state", state)
+  checkpointer.wait_until_finished()
+  target = jax.tree.map(
+    lambda s, sharding: jax.ShapeDtypeStruct(
+      s.shape, s.dtype, sharding=sharding
+    ),
+    jax.eval_shape(tx.init, params),
+    shardings,
+  )
+  restored = checkpointer.restore(tmp_path / "state", target)
+  _assert_same_shardings(restored, shardings, "restored")
+
+  for i in range(4, 6):  # finish the cycle from both
+    live_updates, state = update(_grads_like(params, i), state, params)
+    restored_updates, restored = update(
+      _grads_like(params, i), restored, params
+    )
+  assert bool(optax_accum.has_updated(restored))
+  for a, b in zip(
+    jax.tree.leaves((live_updates, state)),
+    jax.tree.leaves((restored_updates, restored)),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_state_shardings_errors_name_the_argument():
+  with pytest.raises(TypeError, match="`params`.*NamedSharding.*\\['w'\\]"):
+    optax_accum.state_shardings(
+      optax_accum.accumulate(optax.sgd(1.0), 2), {"w": np.zeros(3)}
+    )
+  with pytest.raises(TypeError, match="`tx`"):
+    _, params = _sharded_params("fsdp")
+    optax_accum.state_shardings(3, params)
+
+
+def test_jit_init_follows_params_on_an_explicit_mesh():
+  mesh, params = _sharded_params("data_model", AxisType.Explicit)
+  tx = optax_accum.accumulate(optax.adam(1e-2), 2)
+  with jax.set_mesh(mesh):
+    state = jax.jit(tx.init)(params)
+  param_shardings, _ = _expected_shardings(optax.adam(1e-2), params, mesh)
+  _assert_same_shardings(state.acc_grads, param_shardings, "acc_grads")
+
+
+# ---------------------------------------------------------------------------
+# 2. Deferred reduction over `axis_name`.
+# ---------------------------------------------------------------------------
+
+SEQ, DIM, OUT = 4, 6, 5
+
+# The fields that hold this device's own sums during a cycle; the rest of
+# the state is the same on every device.
+LOCAL_FIELDS = ("acc_grads", "acc_weight", "noise_sq_norm_sum", "noise_count")
+
+
+def _data_mesh():
+  return jax.make_mesh((N_DEV,), ("data",), axis_types=(AxisType.Auto,))
+
+
+def _sum_loss(params, x, y, mask):
+  err = jnp.einsum("btd,do->bto", x, params["w"]) + params["b"][None, None]
+  return jnp.sum(jnp.sum((err - y) ** 2, axis=-1) * mask)
+
+
+def _mean_loss(params, x, y, mask):
+  """Token mean of a (micro-)batch, and its token count."""
+  tokens = jnp.sum(mask)
+  return _sum_loss(params, x, y, mask) / jnp.maximum(tokens, 1.0), tokens
+
+
+def _params0():
+  rng = np.random.default_rng(1)
+  return {
+    "w": jnp.asarray(rng.normal(size=(DIM, OUT)), jnp.float32),
+    "b": jnp.zeros(OUT, jnp.float32),
+  }
+
+
+def _batches(n_micro, per_device=2, seed=0):
+  """[micro, device, example, ...] data with 1 to SEQ tokens per example."""
+  rng = np.random.default_rng(seed)
+  shape = (n_micro, N_DEV, per_device, SEQ)
+  x = rng.normal(size=(*shape, DIM)).astype(np.float32)
+  y = rng.normal(size=(*shape, OUT)).astype(np.float32)
+  lengths = rng.integers(1, SEQ + 1, size=shape[:-1])
+  mask = (np.arange(SEQ) < lengths[..., None]).astype(np.float32)
+  return x, y, mask
+
+
+def _big_batch_step(params, inner_state, inner, x, y, mask):
+  """The reference: one device, the token mean over every micro-batch."""
+  flat = [a.reshape(-1, *a.shape[3:]) for a in (x, y, mask)]
+  grad, _ = jax.grad(_mean_loss, has_aux=True)(params, *flat)
+  updates, inner_state = inner.update(grad, inner_state, params)
+  return optax.apply_updates(params, updates), inner_state
+
+
+def _local_step(tx, weighted):
+  """One micro-step of one device: params and state are this device's."""
+
+  def step(params, state, x, y, mask, flush):
+    grad, tokens = jax.grad(_mean_loss, has_aux=True)(params, x, y, mask)
+    updates, state = tx.update(
+      grad, state, params, weight=tokens if weighted else None, flush=flush
+    )
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+def _per_device_runner(tx, runner, weighted=True):
+  """Every device keeps its own copy of params and state (a leading device
+  axis on every leaf), so the test can see that the replicas agree.
+
+  `runner` is "shard_map" (jitted: eager shard_map dispatches every op of
+  the step on 8 devices, tens of seconds per test; the default
+  `check_vma=True`), "shard_map_no_vma" (the same with `check_vma=False`),
+  "vmap" (jitted) or "vmap_nojit".
+  """
+  step = _local_step(tx, weighted)
+  if runner == "vmap":
+    return jax.jit(jax.vmap(step, axis_name="data"))
+  if runner == "vmap_nojit":
+    return jax.vmap(step, axis_name="data")
+
+  def per_device(params, state, x, y, mask, flush):
+    squeeze = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
+    out = step(*map(squeeze, (params, state, x, y, mask, flush)))
+    return jax.tree.map(lambda a: a[None], out)
+
+  mesh = _data_mesh()
+  sharded = jax.jit(
+    jax.shard_map(
+      per_device,
+      mesh=mesh,
+      in_specs=P("data"),
+      out_specs=P("data"),
+      check_vma=runner != "shard_map_no_vma",
+    )
+  )
+
+  def run(*args):
+    # Host arrays in, each device's slice on that device.
+    return sharded(*jax.device_put(args, NamedSharding(mesh, P("data"))))
+
+  return run
+
+
+def _replicate(tree):
+  return jax.tree.map(lambda a: jnp.stack([a] * N_DEV), tree)
+
+
+def _assert_replicas_identical(tree):
+  for leaf in jax.tree.leaves(tree):
+    leaf = np.asarray(leaf)
+    for d in range(1, N_DEV):
+      np.testing.assert_array_equal(leaf[d], leaf[0])
+
+
+RUNNERS = ["shard_map", "vmap"]
+
+
+@pytest.mark.parametrize(
+  "runner, weighting",
+  [
+    ("shard_map", "tokens"),
+    ("shard_map", "uniform"),
+    ("shard_map_no_vma", "tokens"),
+    ("vmap", "tokens"),
+    ("vmap_nojit", "tokens"),
+  ],
+)
+def test_axis_name_equals_global_big_batch_mean(runner, weighting):
+  """8 devices x 2 micro-batches of different token counts, 2 optimizer
+  steps: each device only ever sees its own gradients, yet every replica
+  lands on the big-batch params (float32 sums reordered: rtol 1e-5)."""
+  # Eager vmap dispatches every op: one optimizer step is enough there.
+  k, steps = 2, (1 if runner == "vmap_nojit" else 2)
+  inner = optax.sgd(0.1, momentum=0.9)  # linear: shows any weighting error
+  tx = optax_accum.accumulate(inner, k, axis_name="data")
+  weighted = weighting == "tokens"
+  step = _per_device_runner(tx, runner, weighted)
+  x, y, mask = _batches(k * steps)
+  if not weighted:  # every micro-batch the same number of tokens
+    mask = np.ones_like(mask)
+  params = _replicate(_params0())
+  state = _replicate(tx.init(_params0()))
+  no_flush = jnp.zeros(N_DEV, bool)
+  ref, ref_state = _params0(), inner.init(_params0())
+  for s in range(steps):
+    for i in range(k):
+      j = s * k + i
+      params, state = step(params, state, x[j], y[j], mask[j], no_flush)
+      assert bool(np.all(state.emitted == (i == k - 1)))
+    ref, ref_state = _big_batch_step(
+      ref, ref_state, inner, *(a[s * k : (s + 1) * k] for a in (x, y, mask))
+    )
+  _assert_replicas_identical(params)
+  _assert_replicas_identical(
+    [getattr(state, f) for f in state._fields if f not in LOCAL_FIELDS]
+  )
+  np.testing.assert_array_equal(state.step, steps)
+  for name in ("w", "b"):
+    np.testing.assert_allclose(params[name][0], ref[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_skip_nonfinite_with_nan_on_one_device_keeps_replicas_identical(
+  runner,
+):
+  """A NaN gradient on device 5 only: every device drops that micro-step,
+  the cycle waits for one more, and the result is the big-batch mean of the
+  kept micro-steps."""
+  k = 2
+  inner = optax.sgd(0.1, momentum=0.9)
+  tx = optax_accum.accumulate(inner, k, axis_name="data", skip_nonfinite=True)
+  step = _per_device_runner(tx, runner)
+  x, y, mask = _batches(3)
+  x_nan = x.copy()
+  x_nan[1, 5, 0, 0, 0] = np.nan
+  params = _replicate(_params0())
+  state = _replicate(tx.init(_params0()))
+  no_flush = jnp.zeros(N_DEV, bool)
+  emitted = []
+  for j in range(3):
+    params, state = step(params, state, x_nan[j], y[j], mask[j], no_flush)
+    emitted.append(np.asarray(state.emitted))
+    _assert_replicas_identical(params)
+  np.testing.assert_array_equal(
+    np.stack(emitted), [[False] * N_DEV, [False] * N_DEV, [True] * N_DEV]
+  )
+  np.testing.assert_array_equal(state.num_skipped, 1)
+  assert np.all(np.isfinite(params["w"]))
+  kept = [0, 2]
+  ref, _ = _big_batch_step(
+    _params0(),
+    inner.init(_params0()),
+    inner,
+    *(a[kept] for a in (x, y, mask)),
+  )
+  for name in ("w", "b"):
+    np.testing.assert_allclose(params[name][0], ref[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_flush_on_one_device_flushes_every_device(runner):
+  """`flush=True` on device 2 alone ends the cycle on all devices, with the
+  mean over what was accumulated (2 of 4 micro-steps)."""
+  k = 4
+  inner = optax.sgd(0.1)
+  tx = optax_accum.accumulate(inner, k, axis_name="data")
+  step = _per_device_runner(tx, runner)
+  x, y, mask = _batches(2)
+  params = _replicate(_params0())
+  state = _replicate(tx.init(_params0()))
+  params, state = step(
+    params, state, x[0], y[0], mask[0], jnp.zeros(N_DEV, bool)
+  )
+  assert not np.any(state.emitted)
+  flush = jnp.arange(N_DEV) == 2
+  params, state = step(params, state, x[1], y[1], mask[1], flush)
+  np.testing.assert_array_equal(state.emitted, True)
+  np.testing.assert_array_equal(state.micro_step, 0)
+  np.testing.assert_array_equal(state.step, 1)
+  _assert_replicas_identical(params)
+  ref, _ = _big_batch_step(
+    _params0(), inner.init(_params0()), inner, x, y, mask
+  )
+  for name in ("w", "b"):
+    np.testing.assert_allclose(params[name][0], ref[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_shard_map_replicated_params_recipe(check_vma):
+  """The README recipe: replicated params and inner state, only the cycle's
+  local sums per device, with shard_map's default `check_vma=True` and with
+  `check_vma=False`."""
+  k = 2
+  inner = optax.sgd(0.1, momentum=0.9)
+  tx = optax_accum.accumulate(inner, k, axis_name="data")
+  mesh = _data_mesh()
+  specs = optax_accum.AccumulateState(
+    **{
+      f: P("data") if f in LOCAL_FIELDS else P()
+      for f in optax_accum.AccumulateState._fields
+    }
+  )
+
+  def local(state, fn):
+    return state._replace(
+      **{f: jax.tree.map(fn, getattr(state, f)) for f in LOCAL_FIELDS}
+    )
+
+  def sharded_step(params, state, x, y, mask):
+    state = local(state, lambda a: a[0])
+    # Under check_vma=True, jax.grad sums the gradient of replicated params
+    # over the devices itself (every micro-step); for params marked as
+    # varying it stays local and unreduced. A no-op with check_vma=False.
+    local_params = lax.pcast(params, "data", to="varying")
+    grad, tokens = jax.grad(_mean_loss, has_aux=True)(local_params, x, y, mask)
+    updates, state = tx.update(grad, state, params, weight=tokens)
+    params = optax.apply_updates(params, updates)
+    return params, local(state, lambda a: a[None])
+
+  init = jax.jit(
+    jax.shard_map(
+      lambda p: local(tx.init(p), lambda a: a[None]),
+      mesh=mesh,
+      in_specs=P(),
+      out_specs=specs,
+      check_vma=check_vma,
+    )
+  )
+  run = jax.jit(
+    jax.shard_map(
+      sharded_step,
+      mesh=mesh,
+      in_specs=(P(), specs, P("data"), P("data"), P("data")),
+      out_specs=(P(), specs),
+      check_vma=check_vma,
+    )
+  )
+  x, y, mask = (a.reshape(a.shape[0], -1, *a.shape[3:]) for a in _batches(k))
+  params = _params0()
+  state = init(params)
+  for i in range(k):
+    params, state = run(params, state, x[i], y[i], mask[i])
+  ref, _ = _big_batch_step(
+    _params0(), inner.init(_params0()), inner, *_batches(k)
+  )
+  np.testing.assert_array_equal(state.step, 1)
+  for name in ("w", "b"):
+    np.testing.assert_allclose(params[name], ref[name], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# 2b. Where the reduction sits in the compiled step.
+# ---------------------------------------------------------------------------
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*)$")
+_CALLEE = re.compile(
+  r"\b(?:to_apply|calls|body|condition|true_computation|false_computation)"
+  r"=%?([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+
+
+def _split_shape_and_op(rest):
+  """'(f32[2], s32[]) all-reduce(...)' -> ('(f32[2], s32[])', 'all-reduce')."""
+  if rest.startswith("("):
+    depth = 0
+    end = 0
+    for end, c in enumerate(rest, start=1):  # noqa: B007 (used after)
+      depth += {"(": 1, ")": -1}.get(c, 0)
+      if depth == 0:
+        break
+    shape, tail = rest[:end], rest[end:]
+  else:
+    shape, _, tail = rest.partition(" ")
+  return shape, tail.strip().split("(", 1)[0]
+
+
+def _parse_hlo(text):
+  """Computations with their all-reduced arrays, and the call graph edges
+  (callee, conditional branch index or None)."""
+  comps, entry, current = {}, None, None
+  for line in text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header and not line.startswith(" "):
+      current = header.group(1)
+      comps[current] = {"all_reduce": [], "calls": []}
+      if line.startswith("ENTRY"):
+        entry = current
+      continue
+    inst = _INSTRUCTION.match(line)
+    if current is None or not inst:
+      continue
+    shape, op = _split_shape_and_op(inst.group(1))
+    if op in ("all-reduce", "all-reduce-start"):
+      comps[current]["all_reduce"].extend(
+        (dtype, tuple(int(d) for d in dims.split(",") if d))
+        for dtype, dims in _ARRAY.findall(shape)
+      )
+    for callee in _CALLEE.findall(line):
+      comps[current]["calls"].append((callee, None))
+    branches = _BRANCHES.search(line)
+    if branches:
+      for index, callee in enumerate(branches.group(1).split(",")):
+        comps[current]["calls"].append((callee.strip().lstrip("%"), index))
+  return comps, entry
+
+
+def _all_reduce_sites(text):
+  """Each all-reduced array with the conditional branches on the way to it:
+  a tuple of branch indices, () for code that runs on every call."""
+  comps, entry = _parse_hlo(text)
+  sites = []
+
+  def visit(name, branches, seen):
+    if name in seen or name not in comps:
+      return
+    seen = seen | {name}
+    sites.extend((arr, branches) for arr in comps[name]["all_reduce"])
+    for callee, index in comps[name]["calls"]:
+      visit(callee, branches if index is None else (*branches, index), seen)
+
+  visit(entry, (), frozenset())
+  return sites
+
+
+# "axis_name" and "psum_every_micro_step" run under shard_map's default
+# check_vma=True, "axis_name_no_vma" under check_vma=False.
+RECIPES = [
+  "axis_name",
+  "axis_name_no_vma",
+  "psum_every_micro_step",
+  "gspmd_jit",
+]
+
+
+def _compiled_micro_step(recipe, k):
+  mesh = _data_mesh()
+  inner = optax.adam(1e-2)
+  params = _params0()
+  x, y, mask = (a[0].reshape(-1, *a.shape[3:]) for a in _batches(1))
+  if recipe == "gspmd_jit":
+    tx = optax_accum.accumulate(inner, k)
+    batch = NamedSharding(mesh, P("data"))
+    x, y, mask = (jax.device_put(a, batch) for a in (x, y, mask))
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+
+    def gspmd_step(params, state, x, y, mask):
+      grad, tokens = jax.grad(_mean_loss, has_aux=True)(params, x, y, mask)
+      return tx.update(grad, state, params, weight=tokens)
+
+    fn = jax.jit(gspmd_step)
+    state = tx.init(params)
+  else:
+    deferred = recipe.startswith("axis_name")
+    check_vma = recipe != "axis_name_no_vma"
+    tx = optax_accum.accumulate(
+      inner, k, axis_name="data" if deferred else None
+    )
+
+    def local(params, state, x, y, mask):
+      state = jax.tree.map(lambda a: a[0], state)
+      # The local gradient (jax.grad would all-reduce it under check_vma).
+      local_params = lax.pcast(params, "data", to="varying")
+      grad, tokens = jax.grad(_mean_loss, has_aux=True)(
+        local_params, x, y, mask
+      )
+      if not deferred:  # the usual data-parallel step: reduce right away
+        grad = jax.tree.map(lambda g: lax.psum(g * tokens, "data"), grad)
+        tokens = lax.psum(tokens, "data")
+        grad = jax.tree.map(lambda g: g / tokens, grad)
+      updates, state = tx.update(grad, state, params, weight=tokens)
+      # Per device, like the state (whose copy of the inner state, and so
+      # the updates, check_vma counts as varying).
+      return jax.tree.map(lambda a: a[None], (updates, state))
+
+    fn = jax.jit(
+      jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(), P("data"), P("data"), P("data"), P("data")),
+        out_specs=P("data"),
+        check_vma=check_vma,
+      )
+    )
+    state = _replicate(tx.init(params))
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    state, x, y, mask = jax.device_put(
+      (state, x, y, mask), NamedSharding(mesh, P("data"))
+    )
+  return fn, (params, state, x, y, mask)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_compiled_gradient_all_reduce_sits_where_expected(recipe):
+  """Parse the compiled HLO of one micro-step. With `axis_name` every
+  gradient array is all-reduced exactly once, and only inside a branch of
+  the conditional (so on the cycle's emitting call only); the two usual
+  data-parallel steps reduce it outside any conditional, on every call."""
+  fn, args = _compiled_micro_step(recipe, k=4)
+  text = fn.lower(*args).compile().as_text()
+  # By element count: XLA may reduce the kernel gradient transposed.
+  grad_sizes = [DIM * OUT, OUT]
+  sites = [
+    (int(np.prod(shape)), branches)
+    for (_, shape), branches in _all_reduce_sites(text)
+    if int(np.prod(shape)) in grad_sizes
+  ]
+  assert sorted(size for size, _ in sites) == sorted(grad_sizes), sites
+  if recipe.startswith("axis_name"):
+    assert all(len(branches) >= 1 for _, branches in sites), sites
+    # lax.cond(pred, emit, hold) lowers to branches {hold, emit}: index 1.
+    assert all(branches[0] == 1 for _, branches in sites), sites
+  else:
+    assert all(branches == () for _, branches in sites), sites
+
+
+def test_axis_name_emits_once_per_cycle():
+  """The branch holding the reduction is entered once per cycle: over 3
+  cycles of k=4 the update is emitted on calls 4, 8 and 12 only."""
+  fn, (params, state, x, y, mask) = _compiled_micro_step("axis_name", k=4)
+  emitted = []
+  for _ in range(12):
+    _, state = fn(params, state, x, y, mask)
+    emitted.append(bool(state.emitted[0]))
+  assert emitted == [i % 4 == 3 for i in range(12)]

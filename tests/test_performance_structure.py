@@ -1,0 +1,423 @@
+"""Structural guards for the speed and memory of `accumulate` (issue 3).
+
+Never wall-clock time: each test reads the compiled training step
+(``jit(grad -> tx.update -> optax.apply_updates)``, params and state donated)
+and checks a property that makes it fast or small:
+
+* the inner optimizer runs only inside a conditional branch (its ``sqrt``
+  appears in no computation reachable from the entry without entering a
+  branch), and the branch that holds copies nothing parameter-sized;
+* the step's compiled footprint (argument + temp + output - alias bytes) is
+  the plain inner step's plus the accumulator and nothing else;
+* it is no larger than ``optax.MultiSteps``' footprint.
+
+``benchmarks/bench_step.py`` measures the same footprints and the times.
+"""
+
+import functools
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optax_accum
+
+WIDTH, LAYERS, MICRO_BATCH = 512, 4, 8  # 4 MB of float32 params.
+
+# The accumulator may cost 5% more than its own bytes before a test fails:
+# the measured extra is 0.75x (k > 1: the emitting step writes the updates
+# into the accumulator's buffer, and the micro-step adds into it in place)
+# to 1.00x (k=1, the accumulator is carried but never touched). The margin
+# absorbs scalar fields and XLA's buffer packing, not a parameter-sized
+# buffer (that would add >= 25%: each layer is a quarter of the params).
+EXTRA_MEMORY_MARGIN = 1.05
+
+OPTIMIZERS = {
+  "adam": lambda: optax.adam(1e-3),
+  "clip_adamw": lambda: optax.chain(
+    optax.clip_by_global_norm(1.0), optax.adamw(1e-3)
+  ),
+}
+
+# (param dtype, accumulator_dtype): the default float32 accumulator, and for
+# bf16 params also an accumulator in the params' own dtype.
+DTYPES = {
+  "f32": (jnp.float32, jnp.float32),
+  "bf16": (jnp.bfloat16, jnp.float32),
+  "bf16_acc_bf16": (jnp.bfloat16, None),
+}
+
+# XLA:CPU's default scheduler favours concurrency over memory. In the emitting
+# branch of clip_by_global_norm on bf16 params it upcasts every gradient leaf
+# to float32 before reducing any of them (the plain step, one computation,
+# interleaves them), which costs 1x the bf16 param bytes more. The same step
+# under the memory-minimising scheduler meets the target: see
+# test_extra_memory_with_xla_memory_scheduler below.
+_CONCURRENCY_SCHEDULER = pytest.mark.xfail(
+  strict=False,
+  reason="XLA:CPU's concurrency-optimised scheduler keeps every float32"
+  " upcast of the bf16 mean gradient alive at once in the emitting branch",
+)
+SCHEDULER_BOUND = {
+  ("clip_adamw", "bf16", 4),
+  ("clip_adamw", "bf16_acc_bf16", 4),
+}
+
+MEMORY_CASES = [
+  pytest.param(opt, dtype, k, id=f"{opt}-{dtype}-k{k}")
+  for opt in OPTIMIZERS
+  for dtype in DTYPES
+  for k in (1, 4)
+]
+
+
+# ----------------------------------------------------------------------------
+# The compiled step.
+# ----------------------------------------------------------------------------
+
+
+def _problem(dtype):
+  key = jax.random.PRNGKey(0)
+  params = {
+    f"w{i}": (
+      jax.random.normal(jax.random.fold_in(key, i), (WIDTH, WIDTH))
+      / math.sqrt(WIDTH)
+    ).astype(dtype)
+    for i in range(LAYERS)
+  }
+  batch = (
+    jnp.ones((MICRO_BATCH, WIDTH), dtype),
+    jnp.zeros((MICRO_BATCH, WIDTH), dtype),
+  )
+  return params, batch
+
+
+def _loss(params, batch):
+  h, y = batch
+  for name in sorted(params):
+    h = jnp.tanh(h @ params[name])
+  return jnp.mean(jnp.square((h - y).astype(jnp.float32)))
+
+
+def _transformation(variant, opt, dtype, k):
+  param_dtype, acc_dtype = DTYPES[dtype]
+  inner = OPTIMIZERS[opt]()
+  if variant == "plain":
+    return inner
+  if variant == "MultiSteps":
+    return optax.MultiSteps(inner, k).gradient_transformation()
+  if variant == "accumulate+noise":
+    return optax_accum.accumulate(
+      inner, k, accumulator_dtype=acc_dtype, track_noise_scale=True
+    )
+  return optax_accum.accumulate(inner, k, accumulator_dtype=acc_dtype)
+
+
+@functools.cache
+def _compiled(variant, opt, dtype, k):
+  """The compiled step; cached, shared by the tests of this module."""
+  tx = _transformation(variant, opt, dtype, k)
+  params, batch = _problem(DTYPES[dtype][0])
+
+  def step(params, state, batch):
+    grads = jax.grad(_loss)(params, batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = jax.eval_shape(tx.init, params)
+  args = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, state, batch)
+  )
+  return jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile()
+
+
+def _footprint(compiled):
+  m = compiled.memory_analysis()
+  return (
+    m.argument_size_in_bytes
+    + m.temp_size_in_bytes
+    + m.output_size_in_bytes
+    - m.alias_size_in_bytes
+  )
+
+
+def _param_bytes(dtype):
+  return LAYERS * WIDTH * WIDTH * jnp.dtype(DTYPES[dtype][0]).itemsize
+
+
+def _accumulator_bytes(dtype):
+  param_dtype, acc_dtype = DTYPES[dtype]
+  return LAYERS * WIDTH * WIDTH * jnp.dtype(acc_dtype or param_dtype).itemsize
+
+
+# ----------------------------------------------------------------------------
+# Reading optimized HLO text.
+# ----------------------------------------------------------------------------
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(")
+_OPCODE = re.compile(r"=\s.*?\s([a-z][a-z0-9\-]*)\(")
+_CALLED = re.compile(r"\b([a-z_]+)=(\{[^}]*\}|%[\w.\-]+)")
+_BRANCH_KEYS = {"branch_computations", "true_computation", "false_computation"}
+
+
+class _Hlo:
+  """The computations of an HLO module and the edges between them."""
+
+  def __init__(self, text):
+    self.body = {}  # computation name -> instruction lines
+    self.entry = None
+    current = None
+    for line in text.splitlines():
+      if current is None:
+        match = _HEADER.match(line)
+        if match and line.rstrip().endswith("{"):
+          current = match.group(2)
+          self.body[current] = []
+          if match.group(1):
+            self.entry = current
+      elif line.strip() == "}":
+        current = None
+      else:
+        self.body[current].append(line)
+    if self.entry is None:
+      raise ValueError("no ENTRY computation in the HLO text")
+    self.calls = {}  # name -> computations it calls, outside branches
+    self.branches = {}  # name -> branch computations of its conditionals
+    for name, lines in self.body.items():
+      calls, branches = set(), set()
+      for line in lines:
+        for key, value in _CALLED.findall(line):
+          targets = set(re.findall(r"%([\w.\-]+)", value)) & set(self.body)
+          (branches if key in _BRANCH_KEYS else calls).update(targets)
+      self.calls[name], self.branches[name] = calls, branches
+
+  def opcodes(self, name):
+    return [m.group(1) for m in map(_OPCODE.search, self.body[name]) if m]
+
+  def reachable(self, roots, *, through_branches):
+    seen, todo = set(), list(roots)
+    while todo:
+      name = todo.pop()
+      if name in seen:
+        continue
+      seen.add(name)
+      todo += self.calls[name]
+      if through_branches:
+        todo += self.branches[name]
+    return seen
+
+  def unconditional(self):
+    """Computations that run on every call: reachable without a branch."""
+    return self.reachable([self.entry], through_branches=False)
+
+  def conditionals(self):
+    """The branch lists of the conditionals that run on every call."""
+    out = []
+    for name in sorted(self.unconditional()):
+      for line in self.body[name]:
+        targets = [
+          re.findall(r"%([\w.\-]+)", value)
+          for key, value in _CALLED.findall(line)
+          if key in _BRANCH_KEYS
+        ]
+        if targets:
+          out.append([t for group in targets for t in group])
+    return out
+
+  def conditional_branches(self):
+    """Branch computations of the conditionals that run on every call."""
+    return [b for branches in self.conditionals() for b in branches]
+
+  def with_opcode(self, opcodes):
+    return {
+      name for name in self.body if set(self.opcodes(name)) & set(opcodes)
+    }
+
+
+ADAM_SQRT = ("sqrt", "rsqrt")
+
+
+# ----------------------------------------------------------------------------
+# (a) The inner optimizer runs only inside the conditional.
+# ----------------------------------------------------------------------------
+
+
+def test_hlo_reader_sees_sqrt_of_plain_adam_on_every_call():
+  """Control for the next test: without accumulation the sqrt is unconditional."""
+  hlo = _Hlo(_compiled("plain", "adam", "f32", 4).as_text())
+  assert hlo.with_opcode(ADAM_SQRT) & hlo.unconditional()
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("variant", ["accumulate", "accumulate+noise"])
+def test_inner_optimizer_runs_only_inside_the_conditional(variant, opt):
+  hlo = _Hlo(_compiled(variant, opt, "f32", 4).as_text())
+  with_sqrt = hlo.with_opcode(ADAM_SQRT)
+  assert with_sqrt, "Adam's sqrt vanished from the HLO: the test is stale"
+  outside = with_sqrt & hlo.unconditional()
+  assert not outside, f"inner optimizer ops run on every call: {outside}"
+  in_branches = hlo.reachable(hlo.conditional_branches(), through_branches=True)
+  assert with_sqrt <= in_branches
+
+
+# Ops that move no data: a branch built only from these does no work.
+_FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"}
+
+
+def _holding_branch_work(variant, opt):
+  """Instructions of the non-emitting branch that produce big arrays."""
+  hlo = _Hlo(_compiled(variant, opt, "f32", 4).as_text())
+  with_sqrt = hlo.with_opcode(ADAM_SQRT)
+
+  def runs_inner(branch):
+    return bool(hlo.reachable([branch], through_branches=True) & with_sqrt)
+
+  # The other branches of the conditional whose emitting branch runs Adam.
+  holding = [
+    b
+    for branches in hlo.conditionals()
+    if any(map(runs_inner, branches))
+    for b in branches
+    if not runs_inner(b)
+  ]
+  assert holding, "no conditional branch without the inner optimizer"
+  big = re.compile(rf"\[{WIDTH},{WIDTH}\]")
+  return [
+    line.strip()[:120]
+    for b in holding
+    for line in hlo.body[b]
+    if big.search(line.split("=")[1] if "=" in line else "")
+    and _OPCODE.search(line)
+    and _OPCODE.search(line).group(1) not in _FREE
+  ]
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_holding_branch_passes_the_accumulator_through(opt):
+  """A micro-step's conditional copies or computes nothing parameter-sized."""
+  assert _holding_branch_work("accumulate", opt) == []
+
+
+_NOISE_COPIES_ACCUMULATOR = pytest.mark.xfail(
+  strict=True,
+  reason="With Adam, the emitting branch's |mean gradient|^2 reduction is"
+  " unordered with the inner's in-place writes into the accumulator's"
+  " buffer, so XLA copies the accumulator in the holding branch (+0.75x"
+  " param bytes in bench_step). Fix proposed in the issue-3 report: reduce"
+  " in a small conditional of its own before the main one. (With"
+  " clip_by_global_norm the norm already orders the reads first.)",
+)
+
+
+@pytest.mark.parametrize(
+  "opt",
+  [
+    pytest.param("adam", marks=_NOISE_COPIES_ACCUMULATOR),
+    pytest.param("clip_adamw"),
+  ],
+)
+def test_holding_branch_passes_the_accumulator_through_with_noise_scale(opt):
+  assert _holding_branch_work("accumulate+noise", opt) == []
+
+
+# ----------------------------------------------------------------------------
+# (b) Extra memory = the accumulator; (c) no more than MultiSteps.
+# ----------------------------------------------------------------------------
+
+
+def _extra_memory_ratio(opt, dtype, k, variant="accumulate"):
+  """(footprint - plain footprint) / accumulator bytes, and / param bytes."""
+  extra = _footprint(_compiled(variant, opt, dtype, k)) - _footprint(
+    _compiled("plain", opt, dtype, 1)
+  )
+  return extra / _accumulator_bytes(dtype), extra / _param_bytes(dtype)
+
+
+@pytest.mark.parametrize(
+  "opt, dtype, k",
+  [
+    pytest.param(*case.values, id=case.id, marks=_CONCURRENCY_SCHEDULER)
+    if tuple(case.values) in SCHEDULER_BOUND
+    else case
+    for case in MEMORY_CASES
+  ],
+)
+def test_extra_memory_is_the_accumulator_and_nothing_else(opt, dtype, k):
+  ratio, of_params = _extra_memory_ratio(opt, dtype, k)
+  assert ratio <= EXTRA_MEMORY_MARGIN, (
+    f"accumulate needs {ratio:.3f}x the accumulator's bytes over the plain"
+    f" step ({of_params:.3f}x the param bytes)"
+  )
+
+
+def test_extra_memory_with_xla_memory_scheduler():
+  """The cases left to XLA's scheduler above meet the target without it.
+
+  XLA flags are read once per process, so this compiles in a subprocess.
+  """
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+  result = subprocess.run(
+    [
+      sys.executable,
+      __file__,
+      *(",".join(map(str, c)) for c in sorted(SCHEDULER_BOUND)),
+    ],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=600,
+    check=False,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  ratios = json.loads(result.stdout.strip().splitlines()[-1])
+  assert ratios and all(r <= EXTRA_MEMORY_MARGIN for r in ratios.values()), (
+    ratios
+  )
+
+
+@pytest.mark.parametrize(
+  "opt",
+  [
+    pytest.param("adam", marks=_NOISE_COPIES_ACCUMULATOR),
+    pytest.param("clip_adamw"),
+  ],
+)
+def test_noise_scale_adds_no_parameter_sized_memory(opt):
+  """Two float32 scalars a micro-step; no buffer (< 1% of the params)."""
+  ours = _footprint(_compiled("accumulate+noise", opt, "f32", 4))
+  base = _footprint(_compiled("accumulate", opt, "f32", 4))
+  assert ours - base <= 0.01 * _param_bytes("f32"), (
+    f"track_noise_scale costs {(ours - base) / _param_bytes('f32'):.3f}x"
+    " the param bytes"
+  )
+
+
+@pytest.mark.parametrize("opt, dtype, k", MEMORY_CASES)
+def test_footprint_is_at_most_multisteps(opt, dtype, k):
+  ours = _footprint(_compiled("accumulate", opt, dtype, k))
+  theirs = _footprint(_compiled("MultiSteps", opt, dtype, k))
+  assert ours <= theirs, (
+    f"accumulate {ours / 2**20:.2f} MB > MultiSteps {theirs / 2**20:.2f} MB"
+  )
+
+
+if __name__ == "__main__":
+  # `python test_performance_structure.py opt,dtype,k ...` prints the extra
+  # memory ratios as JSON (used by test_extra_memory_with_xla_memory_scheduler).
+  cases = [arg.split(",") for arg in sys.argv[1:]]
+  print(
+    json.dumps(
+      {
+        f"{opt}-{dtype}-k{k}": _extra_memory_ratio(opt, dtype, int(k))[0]
+        for opt, dtype, k in cases
+      }
+    )
+  )
