@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 
 lint: $(STAMP)
 	$(PY) -m ruff check optax_accum tests examples benchmarks
+	$(PY) -m ruff format --check optax_accum tests examples benchmarks
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q
@@ -26,6 +27,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_step.py
 	$(PY) benchmarks/bench_train.py
+	$(PY) benchmarks/bench_comm.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

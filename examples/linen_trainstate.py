@@ -40,14 +40,14 @@ class AccumTrainState(train_state.TrainState):
 
   def apply_gradients(self, *, grads: Any, weight: Any = None, **kwargs):
     updates, opt_state = self.tx.update(
-        grads, self.opt_state, self.params, weight=weight
+      grads, self.opt_state, self.params, weight=weight
     )
     return self.replace(
-        # Count optimizer steps: params only move when a cycle completes.
-        step=self.step + optax_accum.has_updated(opt_state),
-        params=optax.apply_updates(self.params, updates),
-        opt_state=opt_state,
-        **kwargs,
+      # Count optimizer steps: params only move when a cycle completes.
+      step=self.step + optax_accum.has_updated(opt_state),
+      params=optax.apply_updates(self.params, updates),
+      opt_state=opt_state,
+      **kwargs,
     )
 
 
@@ -74,9 +74,11 @@ def make_batches(steps: int, every_k: int, micro_batch: int, seed: int = 0):
   rng = np.random.default_rng(seed)
   size = every_k * micro_batch
   x = rng.normal(size=(steps, size, 3)).astype(np.float32)
-  y = (x @ np.array([[1.0], [-2.0], [0.5]], np.float32) + 0.3).astype(np.float32)
+  y = (x @ np.array([[1.0], [-2.0], [0.5]], np.float32) + 0.3).astype(
+    np.float32
+  )
   real = rng.integers(1, micro_batch + 1, size=(steps, every_k))
-  mask = (np.arange(micro_batch)[None, None, :] < real[:, :, None])
+  mask = np.arange(micro_batch)[None, None, :] < real[:, :, None]
   return x, y, mask.reshape(steps, size).astype(np.float32)
 
 
@@ -88,15 +90,15 @@ def train_both(steps: int = 3, every_k: int = 4, micro_batch: int = 8):
   inner = optax.adam(0.1)
 
   big = train_state.TrainState.create(
-      apply_fn=model.apply, params=params, tx=inner
+    apply_fn=model.apply, params=params, tx=inner
   )
   for s in range(steps):
     big = big_batch_step(big, x[s], y[s], mask[s])
 
   state = AccumTrainState.create(
-      apply_fn=model.apply,
-      params=params,
-      tx=optax_accum.accumulate(inner, every_k),
+    apply_fn=model.apply,
+    params=params,
+    tx=optax_accum.accumulate(inner, every_k),
   )
   for s in range(steps):
     for i in range(every_k):
@@ -109,10 +111,10 @@ def train_both(steps: int = 3, every_k: int = 4, micro_batch: int = 8):
 def main() -> None:
   big, state = train_both()
   diff = max(
-      float(jnp.max(jnp.abs(a - b)))
-      for a, b in zip(
-          jax.tree.leaves(big.params), jax.tree.leaves(state.params), strict=True
-      )
+    float(jnp.max(jnp.abs(a - b)))
+    for a, b in zip(
+      jax.tree.leaves(big.params), jax.tree.leaves(state.params), strict=True
+    )
   )
   print(f"max |params(big batch) - params(accumulated)| = {diff:.1e}")
   assert diff < 1e-5, diff  # float32 rounding of two summation orders

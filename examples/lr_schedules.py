@@ -37,23 +37,23 @@ def inside(every_k: int = EVERY_K) -> optax.GradientTransformation:
 def around(every_k: int = EVERY_K) -> optax.GradientTransformation:
   """inject_hyperparams around the accumulator: counts micro-batches."""
   return optax.inject_hyperparams(
-      lambda learning_rate: optax_accum.accumulate(
-          optax.sgd(learning_rate), every_k
-      )
+    lambda learning_rate: optax_accum.accumulate(
+      optax.sgd(learning_rate), every_k
+    )
   )(learning_rate=SCHEDULE)
 
 
 def around_rescaled(every_k: int = EVERY_K) -> optax.GradientTransformation:
   """The same, with the schedule's argument converted back to steps."""
   return optax.inject_hyperparams(
-      lambda learning_rate: optax_accum.accumulate(
-          optax.sgd(learning_rate), every_k
-      )
+    lambda learning_rate: optax_accum.accumulate(
+      optax.sgd(learning_rate), every_k
+    )
   )(learning_rate=lambda count: SCHEDULE(count // every_k))
 
 
 def learning_rates(
-    tx: optax.GradientTransformation, steps: int = STEPS, every_k: int = EVERY_K
+  tx: optax.GradientTransformation, steps: int = STEPS, every_k: int = EVERY_K
 ) -> np.ndarray:
   """The learning rate applied at each optimizer step.
 
@@ -73,12 +73,12 @@ def learning_rates(
 def main() -> None:
   expected = np.asarray([SCHEDULE(t) for t in range(STEPS)])
   too_fast = np.asarray(
-      [SCHEDULE(t * EVERY_K + EVERY_K - 1) for t in range(STEPS)]
+    [SCHEDULE(t * EVERY_K + EVERY_K - 1) for t in range(STEPS)]
   )
   for name, tx, want in [
-      ("schedule inside accumulate", inside(), expected),
-      ("inject_hyperparams around it", around(), too_fast),
-      ("around it, schedule(n // k)", around_rescaled(), expected),
+    ("schedule inside accumulate", inside(), expected),
+    ("inject_hyperparams around it", around(), too_fast),
+    ("around it, schedule(n // k)", around_rescaled(), expected),
   ]:
     got = learning_rates(tx)
     print(f"{name:<30} {np.array2string(got, precision=3)}")

@@ -53,9 +53,11 @@ def make_batches(steps: int, every_k: int, micro_batch: int, seed: int = 0):
   rng = np.random.default_rng(seed)
   size = every_k * micro_batch
   x = rng.normal(size=(steps, size, 3)).astype(np.float32)
-  y = (x @ np.array([[1.0], [-2.0], [0.5]], np.float32) + 0.3).astype(np.float32)
+  y = (x @ np.array([[1.0], [-2.0], [0.5]], np.float32) + 0.3).astype(
+    np.float32
+  )
   real = rng.integers(1, micro_batch + 1, size=(steps, every_k))
-  mask = (np.arange(micro_batch)[None, None, :] < real[:, :, None])
+  mask = np.arange(micro_batch)[None, None, :] < real[:, :, None]
   return x, y, mask.reshape(steps, size).astype(np.float32)
 
 
@@ -71,7 +73,7 @@ def train_both(steps: int = 3, every_k: int = 4, micro_batch: int = 8):
 
   model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
   optimizer = nnx.Optimizer(
-      model, optax_accum.accumulate(inner, every_k), wrt=nnx.Param
+    model, optax_accum.accumulate(inner, every_k), wrt=nnx.Param
   )
   for s in range(steps):
     for i in range(every_k):
@@ -85,10 +87,10 @@ def train_both(steps: int = 3, every_k: int = 4, micro_batch: int = 8):
 def main() -> None:
   big, accumulated = train_both()
   diff = max(
-      float(jnp.max(jnp.abs(a - b)))
-      for a, b in zip(
-          jax.tree.leaves(big), jax.tree.leaves(accumulated), strict=True
-      )
+    float(jnp.max(jnp.abs(a - b)))
+    for a, b in zip(
+      jax.tree.leaves(big), jax.tree.leaves(accumulated), strict=True
+    )
   )
   print(f"max |params(big batch) - params(accumulated)| = {diff:.1e}")
   assert diff < 1e-5, diff  # float32 rounding of two summation orders

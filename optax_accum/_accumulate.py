@@ -105,6 +105,17 @@ def _compute_dtype(acc_dtype: Any) -> Any:
   return jnp.promote_types(acc_dtype, jnp.float32)
 
 
+def _mean_sq_norm(acc: Any, inv_weight: jax.Array) -> jax.Array:
+  r""":math:`|\sum_i w_i g_i / W|^2` from the accumulator, in float32."""
+  return sum(
+    (
+      jnp.sum(jnp.square(a.astype(jnp.float32) * inv_weight))
+      for a in jax.tree.leaves(acc)
+    ),
+    jnp.zeros([], jnp.float32),
+  )
+
+
 def _holds_exactly(wide: Any, narrow: Any) -> bool:
   """Whether every value of dtype `narrow` survives a trip through `wide`."""
   return jnp.dtype(wide) == jnp.dtype(narrow) or (
@@ -478,13 +489,10 @@ def accumulate(
       # would make them operands of the conditional and materialise them.
       grad = jax.tree.map(mean_grad, acc, grad_types)
       if track_noise_scale:
-        mean_sq = sum(
-          (
-            jnp.sum(jnp.square(a.astype(jnp.float32) * inv_weight))
-            for a in jax.tree.leaves(acc)
-          ),
-          jnp.zeros([], jnp.float32),
-        )
+        if axis_name is None:
+          mean_sq = local_mean_sq
+        else:  # The global mean is only known after the psum above.
+          mean_sq = _mean_sq_norm(acc, inv_weight)
         noise = _noise_scale._fold_cycle(
           noise, mean_sq, total_weight, noise_scale_decay
         )
@@ -523,6 +531,20 @@ def accumulate(
       del params
       held = acc if reuse_buffer else zero_updates()
       return held, total_weight, noise, inner_state, jnp.asarray(False)
+
+    if track_noise_scale and axis_name is None:
+      # |mean gradient|^2 in a small conditional of its own, before the main
+      # one. Inside the emitting branch this reduction reads the accumulator
+      # with no data dependency on the inner's in-place writes into the same
+      # buffer (3), so XLA copies the whole accumulator in the holding branch
+      # on every call: a parameter-sized buffer more, and its traffic.
+      local_mean_sq = lax.cond(
+        enter,
+        lambda a, w: _mean_sq_norm(a, 1.0 / jnp.where(w > 0, w, 1.0)),
+        lambda a, w: jnp.zeros([], jnp.float32),
+        acc,
+        total_weight,
+      )
 
     cond = lax.cond if axis_name is None else _cond
     out, total_weight, noise, inner_state, emitted = cond(

@@ -23,7 +23,7 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 def _load(name: str):
   spec = importlib.util.spec_from_file_location(
-      f"example_{name}", EXAMPLES / f"{name}.py"
+    f"example_{name}", EXAMPLES / f"{name}.py"
   )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -51,7 +51,7 @@ def lr_schedules():
 
 
 @pytest.mark.parametrize(
-    "name", ["nnx_quickstart", "linen_trainstate", "lr_schedules"]
+  "name", ["nnx_quickstart", "linen_trainstate", "lr_schedules"]
 )
 def test_example_main_runs_and_passes_its_checks(name, capsys):
   _load(name).main()
@@ -59,28 +59,28 @@ def test_example_main_runs_and_passes_its_checks(name, capsys):
 
 
 def test_nnx_quickstart_matches_big_batch_with_uneven_micro_batches(
-    nnx_quickstart,
+  nnx_quickstart,
 ):
   big, accumulated = nnx_quickstart.train_both(
-      steps=2, every_k=3, micro_batch=4
+    steps=2, every_k=3, micro_batch=4
   )
   # float32 rounding of two summation orders (Adam, 2 steps).
   jax.tree.map(
-      lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5),
-      nnx.to_pure_dict(big),
-      nnx.to_pure_dict(accumulated),
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5),
+    nnx.to_pure_dict(big),
+    nnx.to_pure_dict(accumulated),
   )
 
 
 def test_linen_trainstate_matches_big_batch_and_counts_optimizer_steps(
-    linen_trainstate,
+  linen_trainstate,
 ):
   big, state = linen_trainstate.train_both(steps=2, every_k=3, micro_batch=4)
   assert int(state.step) == 2
   jax.tree.map(
-      lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5),
-      big.params,
-      state.params,
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5),
+    big.params,
+    state.params,
   )
 
 
@@ -94,10 +94,12 @@ def test_nnx_optimizer_update_forwards_weight_to_tx():
   model = nnx.Linear(1, 1, use_bias=False, rngs=nnx.Rngs(0))
   w0 = np.asarray(model.kernel[...])
   optimizer = nnx.Optimizer(
-      model, optax_accum.accumulate(optax.sgd(1.0), 2), wrt=nnx.Param
+    model, optax_accum.accumulate(optax.sgd(1.0), 2), wrt=nnx.Param
   )
-  grads = [nnx.State({"kernel": nnx.Param(jnp.full((1, 1), g, jnp.float32))})
-           for g in (1.0, 5.0)]
+  grads = [
+    nnx.State({"kernel": nnx.Param(jnp.full((1, 1), g, jnp.float32))})
+    for g in (1.0, 5.0)
+  ]
   optimizer.update(model, grads[0], weight=1.0)
   np.testing.assert_array_equal(model.kernel[...], w0)  # mid-cycle: no move
   optimizer.update(model, grads[1], weight=3.0)
@@ -111,7 +113,7 @@ def test_linen_trainstate_apply_gradients_does_not_forward_weight():
   # Why examples/linen_trainstate.py subclasses TrainState.
   params = {"w": jnp.ones(2)}
   state = train_state.TrainState.create(
-      apply_fn=None, params=params, tx=optax_accum.accumulate(optax.sgd(1.0), 2)
+    apply_fn=None, params=params, tx=optax_accum.accumulate(optax.sgd(1.0), 2)
   )
   with pytest.raises(TypeError, match="weight"):
     state.apply_gradients(grads=params, weight=2.0)
@@ -123,25 +125,27 @@ def test_linen_trainstate_apply_gradients_does_not_forward_weight():
 
 
 def test_schedule_inside_advances_once_per_optimizer_step(lr_schedules):
-  got = lr_schedules.learning_rates(lr_schedules.inside(every_k=3), steps=4,
-                                    every_k=3)
+  got = lr_schedules.learning_rates(
+    lr_schedules.inside(every_k=3), steps=4, every_k=3
+  )
   want = [lr_schedules.SCHEDULE(t) for t in range(4)]
   np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_inject_hyperparams_around_accumulate_counts_micro_batches(
-    lr_schedules,
+  lr_schedules,
 ):
   k = 3
-  got = lr_schedules.learning_rates(lr_schedules.around(every_k=k), steps=4,
-                                    every_k=k)
+  got = lr_schedules.learning_rates(
+    lr_schedules.around(every_k=k), steps=4, every_k=k
+  )
   want = [lr_schedules.SCHEDULE(t * k + k - 1) for t in range(4)]
   np.testing.assert_allclose(got, want, rtol=1e-6)
   fixed = lr_schedules.learning_rates(
-      lr_schedules.around_rescaled(every_k=k), steps=4, every_k=k
+    lr_schedules.around_rescaled(every_k=k), steps=4, every_k=k
   )
   np.testing.assert_allclose(
-      fixed, [lr_schedules.SCHEDULE(t) for t in range(4)], rtol=1e-6
+    fixed, [lr_schedules.SCHEDULE(t) for t in range(4)], rtol=1e-6
   )
 
 
@@ -176,7 +180,7 @@ class _BNModel(nnx.Module):
 def _bn_after_one_optimizer_step(momentum: float, every_k: int):
   model = _BNModel(momentum, nnx.Rngs(0))
   optimizer = nnx.Optimizer(
-      model, optax_accum.accumulate(optax.sgd(0.1), every_k), wrt=nnx.Param
+    model, optax_accum.accumulate(optax.sgd(0.1), every_k), wrt=nnx.Param
   )
 
   @nnx.jit
@@ -205,7 +209,6 @@ def test_batchnorm_momentum_root_keeps_the_big_batch_horizon():
   k = 4
   mean, _ = _bn_after_one_optimizer_step(momentum=0.9 ** (1 / k), every_k=k)
   np.testing.assert_allclose(mean, 2 * (1 - 0.9), rtol=1e-5)
-
 
 
 def test_state_readers_accept_an_nnx_optimizer_opt_state():

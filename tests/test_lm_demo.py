@@ -18,15 +18,28 @@ import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-TINY = ["--steps", "4", "--every-k", "3", "--micro-batch", "2",
-        "--max-len", "64", "--d-model", "16", "--num-layers", "1",
-        "--warmup-steps", "1"]
+TINY = [
+  "--steps",
+  "4",
+  "--every-k",
+  "3",
+  "--micro-batch",
+  "2",
+  "--max-len",
+  "64",
+  "--d-model",
+  "16",
+  "--num-layers",
+  "1",
+  "--warmup-steps",
+  "1",
+]
 
 
 @pytest.fixture(scope="module")
 def lm():
   spec = importlib.util.spec_from_file_location(
-      "example_lm_train", ROOT / "examples" / "lm" / "train.py"
+    "example_lm_train", ROOT / "examples" / "lm" / "train.py"
   )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -105,8 +118,9 @@ def test_data_is_deterministic_and_variable_length(lm, tiny_cfg):
   uneven = False
   for step in range(tiny_cfg.steps):
     batch = lm.step_batch(tiny_cfg, a.train, step)
-    counts = [int(np.sum(m.lengths - 1))
-              for m in lm.micro_batches(tiny_cfg, batch)]
+    counts = [
+      int(np.sum(m.lengths - 1)) for m in lm.micro_batches(tiny_cfg, batch)
+    ]
     assert counts == sorted(counts)  # shortest micro-batch first
     uneven |= counts[0] < counts[-1]
   assert uneven
@@ -134,12 +148,12 @@ def test_missing_checkpoint_is_a_clear_error(lm, tiny_cfg, tmp_path):
   model, optimizer = lm.build(tiny_cfg, "weighted")
   with pytest.raises(lm.CheckpointError, match="is missing or corrupt"):
     lm.restore_checkpoint(
-        tmp_path / "nothing", tiny_cfg, "weighted", model, optimizer
+      tmp_path / "nothing", tiny_cfg, "weighted", model, optimizer
     )
 
 
 @pytest.mark.parametrize(
-    "change", [{"every_k": 4}, {"d_model": 32}, {"seed": 1}]
+  "change", [{"every_k": 4}, {"d_model": 32}, {"seed": 1}]
 )
 def test_other_configuration_names_the_fields(lm, tiny_cfg, saved, change):
   cfg = dataclasses.replace(tiny_cfg, **change)
@@ -163,8 +177,10 @@ def test_state_of_another_shape_is_a_clear_error(lm, tiny_cfg, saved):
   meta = json.loads(config_file.read_text())
   config_file.write_text(json.dumps({**meta, "d_model": 32}))
   model, optimizer = lm.build(cfg, "weighted")
-  message = (r"does not fit.*has shape \(16,\) float32 in the checkpoint,"
-             r" this model expects shape \(32,\) float32")
+  message = (
+    r"does not fit.*has shape \(16,\) float32 in the checkpoint,"
+    r" this model expects shape \(32,\) float32"
+  )
   with pytest.raises(lm.CheckpointError, match=message):
     lm.restore_checkpoint(saved, cfg, "weighted", model, optimizer)
 
@@ -196,8 +212,11 @@ def test_corrupt_arrays_are_a_clear_error(tmp_path):
   # later, as "unraisable" exceptions that pytest pins on whatever test runs
   # next. The error the demo raises is all this checks.
   result = subprocess.run(
-      [sys.executable, "-c", _CORRUPT_ARRAYS, str(ROOT), str(tmp_path), *TINY],
-      capture_output=True, text=True, timeout=600, check=False,
+    [sys.executable, "-c", _CORRUPT_ARRAYS, str(ROOT), str(tmp_path), *TINY],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
   )
   assert result.returncode == 0, result.stderr[-3000:]
   assert "CheckpointError: The checkpoint at" in result.stdout

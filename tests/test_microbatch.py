@@ -54,9 +54,9 @@ def _batch(lengths=LENGTHS, seed=1):
   rng = np.random.default_rng(seed)
   mask = np.arange(TOKENS)[None, :] < np.asarray(lengths)[:, None]
   return {
-      "x": _normal(rng, (len(lengths), TOKENS, DIM)),
-      "y": _normal(rng, (len(lengths), TOKENS)),
-      "mask": jnp.asarray(mask, jnp.float32),
+    "x": _normal(rng, (len(lengths), TOKENS, DIM)),
+    "y": _normal(rng, (len(lengths), TOKENS)),
+    "mask": jnp.asarray(mask, jnp.float32),
   }
 
 
@@ -75,9 +75,9 @@ def _loss_with_aux(params, batch):
   mask = batch["mask"]
   loss = jnp.sum(mask * err**2) / jnp.sum(mask)
   aux = {
-      "mae": jnp.sum(mask * jnp.abs(err)) / jnp.sum(mask),  # float: mean
-      "tokens": jnp.sum(mask).astype(jnp.int32),  # int: summed
-      "large": jnp.any((mask > 0) & (jnp.abs(err) > 2.0)),  # bool: or-ed
+    "mae": jnp.sum(mask * jnp.abs(err)) / jnp.sum(mask),  # float: mean
+    "tokens": jnp.sum(mask).astype(jnp.int32),  # int: summed
+    "large": jnp.any((mask > 0) & (jnp.abs(err) > 2.0)),  # bool: or-ed
   }
   return loss, aux
 
@@ -99,7 +99,7 @@ _REFERENCE = {aux: jax.jit(_value_and_grad(aux)) for aux in (False, True)}
 def _assert_trees_close(actual, expected, **tol):
   assert jax.tree.structure(actual) == jax.tree.structure(expected)
   for a, e in zip(
-      jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True
+    jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True
   ):
     assert a.dtype == e.dtype and a.shape == e.shape
     if jnp.issubdtype(a.dtype, jnp.inexact):
@@ -116,10 +116,10 @@ def _assert_trees_close(actual, expected, **tol):
 # token counts), weighted on ragged rows; with 8 micro-batches one of them is
 # all padding (see LENGTHS).
 EQUALITY_CASES = [
-    (2, False, False),
-    (4, True, False),
-    (4, False, True),
-    (8, True, True),
+  (2, False, False),
+  (4, True, False),
+  (4, False, True),
+  (8, True, True),
 ]
 
 
@@ -129,7 +129,7 @@ def test_equals_the_unsplit_gradient(maybe_jit, n, has_aux, weighted):
   batch = _batch() if weighted else _full_batch()
   value_and_grad = _value_and_grad(has_aux)
   grad_fn = optax_accum.microbatch(
-      value_and_grad, n, weight_fn=_tokens if weighted else None
+    value_and_grad, n, weight_fn=_tokens if weighted else None
   )
   out = maybe_jit(grad_fn)(params, batch)
   expected = _REFERENCE[has_aux](params, batch)
@@ -147,26 +147,24 @@ def test_unweighted_mean_of_ragged_micro_batches_is_not_the_token_mean():
 
 @pytest.mark.parametrize("has_aux, weighted", [(False, False), (True, True)])
 def test_one_microbatch_is_the_plain_function_exactly(
-    maybe_jit, has_aux, weighted
+  maybe_jit, has_aux, weighted
 ):
   params, batch = _params(), _batch()
   value_and_grad = _value_and_grad(has_aux)
   grad_fn = optax_accum.microbatch(
-      value_and_grad, 1, weight_fn=_tokens if weighted else None
+    value_and_grad, 1, weight_fn=_tokens if weighted else None
   )
   _assert_trees_close(
-      maybe_jit(grad_fn)(params, batch),
-      maybe_jit(value_and_grad)(params, batch),
-      rtol=0,
-      atol=0,
+    maybe_jit(grad_fn)(params, batch),
+    maybe_jit(value_and_grad)(params, batch),
+    rtol=0,
+    atol=0,
   )
 
 
 def test_zero_total_weight_gives_zeros_without_nan(maybe_jit):
   params, batch = _params(), _batch(lengths=[0] * BATCH)
-  grad_fn = optax_accum.microbatch(
-      _value_and_grad(True), 4, weight_fn=_tokens
-  )
+  grad_fn = optax_accum.microbatch(_value_and_grad(True), 4, weight_fn=_tokens)
   (loss, aux), grads = maybe_jit(grad_fn)(params, batch)
   for x in [loss, aux["mae"], *jax.tree.leaves(grads)]:
     np.testing.assert_array_equal(x, np.zeros_like(x))
@@ -179,7 +177,7 @@ def test_extra_args_and_kwargs_reach_every_call_unsplit(maybe_jit):
 
   params, batch = _params(), _batch()
   grad_fn = optax_accum.microbatch(
-      jax.value_and_grad(loss_fn), 4, weight_fn=_tokens
+    jax.value_and_grad(loss_fn), 4, weight_fn=_tokens
   )
   # `scale` has a leading size 3: it must not be split like the batch.
   scale = jnp.array([0.5, 1.0, 0.25])
@@ -194,16 +192,16 @@ def test_extra_args_and_kwargs_reach_every_call_unsplit(maybe_jit):
 
 
 @pytest.mark.parametrize(
-    "accumulator_dtype, expected",
-    [
-        # 1 + 15 * 2**-8 = 1.0586 in float32, / 16, rounded once to bf16.
-        (jnp.float32, 0.06640625),
-        # In bf16 each 1 + 2**-8 rounds back to 1: the small terms vanish.
-        (None, 0.0625),
-    ],
+  "accumulator_dtype, expected",
+  [
+    # 1 + 15 * 2**-8 = 1.0586 in float32, / 16, rounded once to bf16.
+    (jnp.float32, 0.06640625),
+    # In bf16 each 1 + 2**-8 rounds back to 1: the small terms vanish.
+    (None, 0.0625),
+  ],
 )
 def test_bf16_grads_accumulate_in_accumulator_dtype(
-    maybe_jit, accumulator_dtype, expected
+  maybe_jit, accumulator_dtype, expected
 ):
   def loss_fn(w, batch):
     return w * jnp.mean(batch)
@@ -211,7 +209,7 @@ def test_bf16_grads_accumulate_in_accumulator_dtype(
   # 16 micro-batches of one row: micro-batch i's gradient is row i.
   batch = jnp.array([1.0] + [2.0**-8] * 15, jnp.bfloat16)
   grad_fn = optax_accum.microbatch(
-      jax.value_and_grad(loss_fn), 16, accumulator_dtype=accumulator_dtype
+    jax.value_and_grad(loss_fn), 16, accumulator_dtype=accumulator_dtype
   )
   loss, grad = maybe_jit(grad_fn)(jnp.bfloat16(1.0), batch)
   assert grad.dtype == jnp.bfloat16 and loss.dtype == jnp.bfloat16
@@ -236,7 +234,7 @@ def test_sixteen_microbatches_cut_compiled_temp_memory():
 
   params = [jax.ShapeDtypeStruct((width, width), jnp.float32)] * layers
   batch = dict.fromkeys(
-      ("x", "y"), jax.ShapeDtypeStruct((batch_size, width), jnp.float32)
+    ("x", "y"), jax.ShapeDtypeStruct((batch_size, width), jnp.float32)
   )
 
   def temp_bytes(fn):
@@ -269,7 +267,7 @@ def test_sharded_batch_stays_sharded_in_every_microbatch(maybe_jit, axis_type):
   batch = jax.device_put(host_batch, NamedSharding(mesh, P("data")))
   params = jax.device_put(params, NamedSharding(mesh, P()))
   grad_fn = maybe_jit(
-      optax_accum.microbatch(jax.value_and_grad(loss_fn), 4, weight_fn=_tokens)
+    optax_accum.microbatch(jax.value_and_grad(loss_fn), 4, weight_fn=_tokens)
   )
   with jax.set_mesh(mesh):
     out = grad_fn(params, batch)
@@ -311,9 +309,9 @@ def test_sharded_params_under_an_explicit_mesh_keep_their_sharding(maybe_jit):
 def _dropout_loss(params, batch):
   # Each example's mask comes from its own key, whatever micro-batch it
   # lands in.
-  keep = jax.vmap(
-      lambda key: jax.random.bernoulli(key, 0.5, (TOKENS, HIDDEN))
-  )(batch["rng"])
+  keep = jax.vmap(lambda key: jax.random.bernoulli(key, 0.5, (TOKENS, HIDDEN)))(
+    batch["rng"]
+  )
   hidden = jnp.tanh(batch["x"] @ params["w1"]) * keep * 2.0
   err = hidden @ params["w2"] - batch["y"]
   # A model taking one key would use batch["rng"][0]; its aux reports it.
@@ -337,7 +335,7 @@ def test_per_example_dropout_keys_make_result_independent_of_split(maybe_jit):
   # Keys are an "other" aux leaf: the last micro-batch (rows 3, 7, ...)
   # reports its first key, row n - 1's.
   np.testing.assert_array_equal(
-      jax.random.key_data(aux["key"]), jax.random.key_data(batch["rng"][n - 1])
+    jax.random.key_data(aux["key"]), jax.random.key_data(batch["rng"][n - 1])
   )
 
 
@@ -350,7 +348,7 @@ def test_composes_with_accumulate_to_the_big_batch_token_mean(maybe_jit):
   params = _params()
   batches = [_batch(seed=1), _batch(lengths=LENGTHS[::-1], seed=2)]
   grad_fn = optax_accum.microbatch(
-      jax.value_and_grad(_loss), 4, weight_fn=_tokens
+    jax.value_and_grad(_loss), 4, weight_fn=_tokens
   )
   tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
 
@@ -375,18 +373,18 @@ def test_composes_with_accumulate_to_the_big_batch_token_mean(maybe_jit):
 
 
 @pytest.mark.parametrize(
-    "num_microbatches, error, match",
-    [
-        (0, ValueError, "`num_microbatches` must be >= 1, got 0"),
-        (-2, ValueError, "`num_microbatches` must be >= 1, got -2"),
-        (2.0, TypeError, "`num_microbatches` .* got 2.0 of type float"),
-        ("2", TypeError, "`num_microbatches` .* got '2' of type str"),
-        (None, TypeError, "`num_microbatches` .* got None"),
-        (True, TypeError, "`num_microbatches` .* got True of type bool"),
-    ],
+  "num_microbatches, error, match",
+  [
+    (0, ValueError, "`num_microbatches` must be >= 1, got 0"),
+    (-2, ValueError, "`num_microbatches` must be >= 1, got -2"),
+    (2.0, TypeError, "`num_microbatches` .* got 2.0 of type float"),
+    ("2", TypeError, "`num_microbatches` .* got '2' of type str"),
+    (None, TypeError, "`num_microbatches` .* got None"),
+    (True, TypeError, "`num_microbatches` .* got True of type bool"),
+  ],
 )
 def test_bad_num_microbatches_is_rejected_at_construction(
-    num_microbatches, error, match
+  num_microbatches, error, match
 ):
   with pytest.raises(error, match=match):
     optax_accum.microbatch(jax.value_and_grad(_loss), num_microbatches)
@@ -395,21 +393,27 @@ def test_bad_num_microbatches_is_rejected_at_construction(
 @pytest.mark.parametrize("num_microbatches", [np.int64(4), jnp.int32(4)])
 def test_numpy_and_jax_integers_are_accepted(num_microbatches):
   grad_fn = optax_accum.microbatch(
-      jax.value_and_grad(lambda w, b: w * jnp.mean(b)), num_microbatches
+    jax.value_and_grad(lambda w, b: w * jnp.mean(b)), num_microbatches
   )
   loss, grad = grad_fn(jnp.float32(2.0), jnp.arange(8.0))
   assert (float(loss), float(grad)) == (7.0, 3.5)
 
 
 @pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        ({"weight_fn": 3}, TypeError, "`weight_fn` .* got int"),
-        ({"accumulator_dtype": jnp.int32}, ValueError,
-         "`accumulator_dtype` .* got int32"),
-        ({"accumulator_dtype": "nope"}, TypeError,
-         "`accumulator_dtype` .* got 'nope'"),
-    ],
+  "kwargs, error, match",
+  [
+    ({"weight_fn": 3}, TypeError, "`weight_fn` .* got int"),
+    (
+      {"accumulator_dtype": jnp.int32},
+      ValueError,
+      "`accumulator_dtype` .* got int32",
+    ),
+    (
+      {"accumulator_dtype": "nope"},
+      TypeError,
+      "`accumulator_dtype` .* got 'nope'",
+    ),
+  ],
 )
 def test_bad_options_name_the_argument(kwargs, error, match):
   with pytest.raises(error, match=match):
@@ -422,38 +426,39 @@ def test_non_callable_value_and_grad_fn_is_rejected():
 
 
 BAD_BATCHES = {
-    "not_divisible": (
-        {"x": jnp.zeros((10, 3))},
-        r"batch size 10 .* not divisible by `num_microbatches`=4",
-    ),
-    "different_sizes": (
-        {"x": jnp.zeros((8, 3)), "y": jnp.zeros(6)},
-        r"same leading batch size, got sizes .*\['x'\].*: 8, .*\['y'\].*: 6",
-    ),
-    "scalar_leaf": (
-        {"x": jnp.zeros((8, 3)), "t": jnp.zeros(())},
-        r"`batch` leaf \['t'\] is a scalar",
-    ),
-    "no_leaves": ({}, r"`batch` \(argument 1\) must hold at least one array"),
+  "not_divisible": (
+    {"x": jnp.zeros((10, 3))},
+    r"batch size 10 .* not divisible by `num_microbatches`=4",
+  ),
+  "different_sizes": (
+    {"x": jnp.zeros((8, 3)), "y": jnp.zeros(6)},
+    r"same leading batch size, got sizes .*\['x'\].*: 8, .*\['y'\].*: 6",
+  ),
+  "scalar_leaf": (
+    {"x": jnp.zeros((8, 3)), "t": jnp.zeros(())},
+    r"`batch` leaf \['t'\] is a scalar",
+  ),
+  "no_leaves": ({}, r"`batch` \(argument 1\) must hold at least one array"),
 }
 
 
 @pytest.mark.parametrize("name", list(BAD_BATCHES))
 def test_bad_batch_names_the_argument_and_sizes(maybe_jit, name):
   batch, match = BAD_BATCHES[name]
-  grad_fn = optax_accum.microbatch(
-      jax.value_and_grad(lambda w, b: w * 1.0), 4
-  )
+  grad_fn = optax_accum.microbatch(jax.value_and_grad(lambda w, b: w * 1.0), 4)
   with pytest.raises(ValueError, match=match):
     maybe_jit(grad_fn)(jnp.float32(1.0), batch)
 
 
 def test_non_scalar_weight_is_rejected(maybe_jit):
   grad_fn = optax_accum.microbatch(
-      jax.value_and_grad(_loss), 4, weight_fn=lambda b: b["mask"].sum(1)
+    jax.value_and_grad(_loss), 4, weight_fn=lambda b: b["mask"].sum(1)
   )
-  with pytest.raises(ValueError, match=r"`weight_fn` must return a scalar.*"
-                     r"got shape \(4,\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"`weight_fn` must return a scalar.*"
+    r"got shape \(4,\)",
+  ):
     maybe_jit(grad_fn)(_params(), _batch())
 
 

@@ -305,24 +305,7 @@ def test_holding_branch_passes_the_accumulator_through(opt):
   assert _holding_branch_work("accumulate", opt) == []
 
 
-_NOISE_COPIES_ACCUMULATOR = pytest.mark.xfail(
-  strict=True,
-  reason="With Adam, the emitting branch's |mean gradient|^2 reduction is"
-  " unordered with the inner's in-place writes into the accumulator's"
-  " buffer, so XLA copies the accumulator in the holding branch (+0.75x"
-  " param bytes in bench_step). Fix proposed in the issue-3 report: reduce"
-  " in a small conditional of its own before the main one. (With"
-  " clip_by_global_norm the norm already orders the reads first.)",
-)
-
-
-@pytest.mark.parametrize(
-  "opt",
-  [
-    pytest.param("adam", marks=_NOISE_COPIES_ACCUMULATOR),
-    pytest.param("clip_adamw"),
-  ],
-)
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
 def test_holding_branch_passes_the_accumulator_through_with_noise_scale(opt):
   assert _holding_branch_work("accumulate+noise", opt) == []
 
@@ -383,13 +366,7 @@ def test_extra_memory_with_xla_memory_scheduler():
   )
 
 
-@pytest.mark.parametrize(
-  "opt",
-  [
-    pytest.param("adam", marks=_NOISE_COPIES_ACCUMULATOR),
-    pytest.param("clip_adamw"),
-  ],
-)
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
 def test_noise_scale_adds_no_parameter_sized_memory(opt):
   """Two float32 scalars a micro-step; no buffer (< 1% of the params)."""
   ours = _footprint(_compiled("accumulate+noise", opt, "f32", 4))

@@ -46,11 +46,11 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from rich.console import Console
 from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
+  BarColumn,
+  MofNCompleteColumn,
+  Progress,
+  TextColumn,
+  TimeElapsedColumn,
 )
 from rich.table import Table
 
@@ -103,11 +103,18 @@ def stdlib_files() -> list[pathlib.Path]:
   so are site-packages, which can live under the stdlib directory.
   """
   root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-  skip = {"site-packages", "dist-packages", "test", "tests", "idle_test",
-          "lib2to3"}
+  skip = {
+    "site-packages",
+    "dist-packages",
+    "test",
+    "tests",
+    "idle_test",
+    "lib2to3",
+  }
   return sorted(
-      path for path in root.rglob("*.py")
-      if not skip & set(path.relative_to(root).parts[:-1])
+    path
+    for path in root.rglob("*.py")
+    if not skip & set(path.relative_to(root).parts[:-1])
   )
 
 
@@ -146,13 +153,14 @@ def load_data(cfg: Config, files: Sequence[pathlib.Path] | None = None) -> Data:
   order = np.random.default_rng(cfg.seed).permutation(len(blocks))
   if len(order) <= cfg.heldout_samples:
     raise ValueError(
-        f"only {len(order)} blocks found, not enough for"
-        f" {cfg.heldout_samples} held-out samples and training."
+      f"only {len(order)} blocks found, not enough for"
+      f" {cfg.heldout_samples} held-out samples and training."
     )
   held, rest = order[: cfg.heldout_samples], order[cfg.heldout_samples :]
   # A long run cycles through the training blocks again, never the held-out.
-  picked = [blocks[rest[i % len(rest)]]
-            for i in range(cfg.steps * cfg.batch_size)]
+  picked = [
+    blocks[rest[i % len(rest)]] for i in range(cfg.steps * cfg.batch_size)
+  ]
   heldout = _pad([blocks[i] for i in held], cfg.max_len)
   train = _pad(picked, cfg.max_len)
   return Data(train, heldout)
@@ -172,9 +180,10 @@ def step_batch(cfg: Config, samples: Samples, step: int) -> Samples:
 
 def micro_batches(cfg: Config, batch: Samples) -> list[Samples]:
   return [
-      Samples(*(a[i * cfg.micro_batch : (i + 1) * cfg.micro_batch]
-                for a in batch))
-      for i in range(cfg.every_k)
+    Samples(
+      *(a[i * cfg.micro_batch : (i + 1) * cfg.micro_batch] for a in batch)
+    )
+    for i in range(cfg.every_k)
   ]
 
 
@@ -218,11 +227,13 @@ class TransformerLM(nnx.Module):
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
     self.embed = nnx.Embed(VOCAB, cfg.d_model, rngs=rngs)
     self.pos = nnx.Param(
-        0.02 * jax.random.normal(rngs.params(), (cfg.max_len, cfg.d_model))
+      0.02 * jax.random.normal(rngs.params(), (cfg.max_len, cfg.d_model))
     )
     self.blocks = nnx.List(
-        [Block(cfg.d_model, cfg.num_heads, rngs=rngs)
-         for _ in range(cfg.num_layers)]
+      [
+        Block(cfg.d_model, cfg.num_heads, rngs=rngs)
+        for _ in range(cfg.num_layers)
+      ]
     )
     self.norm = nnx.LayerNorm(cfg.d_model, rngs=rngs)
 
@@ -252,14 +263,16 @@ def make_tx(cfg: Config, mode: str) -> optax.GradientTransformation:
   # The schedule lives inside the inner optimizer, so it advances once per
   # optimizer step in all three runs.
   schedule = optax.warmup_cosine_decay_schedule(
-      0.0, cfg.learning_rate, cfg.warmup_steps,
-      decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
+    0.0,
+    cfg.learning_rate,
+    cfg.warmup_steps,
+    decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
   )
   inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
   if mode == "reference":
     return inner
   return optax_accum.accumulate(
-      inner, cfg.every_k, track_noise_scale=mode == "weighted"
+    inner, cfg.every_k, track_noise_scale=mode == "weighted"
   )
 
 
@@ -280,14 +293,14 @@ def build(cfg: Config, mode: str) -> tuple[TransformerLM, nnx.Optimizer]:
 
 
 def token_loss_sum(
-    model: TransformerLM, tokens: jax.Array, lengths: jax.Array
+  model: TransformerLM, tokens: jax.Array, lengths: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
   """Sum of next-byte cross-entropies over real tokens, and their count."""
   inputs, targets = tokens[:, :-1], tokens[:, 1:]
   positions = jnp.arange(inputs.shape[1], dtype=jnp.int32)
   mask = positions[None, :] < (lengths - 1)[:, None]
   losses = optax.softmax_cross_entropy_with_integer_labels(
-      model(inputs), targets
+    model(inputs), targets
   )
   return jnp.sum(jnp.where(mask, losses, 0.0)), jnp.sum(mask, dtype=jnp.float32)
 
@@ -343,15 +356,16 @@ def accumulate_state(optimizer: nnx.Optimizer) -> optax_accum.AccumulateState:
   """The AccumulateState inside an nnx.Optimizer, as plain arrays."""
   opt_state = nnx.as_pure(optimizer.opt_state)
   found = [
-      s for s in jax.tree.leaves(
-          opt_state,
-          is_leaf=lambda x: isinstance(x, optax_accum.AccumulateState),
-      )
-      if isinstance(s, optax_accum.AccumulateState)
+    s
+    for s in jax.tree.leaves(
+      opt_state,
+      is_leaf=lambda x: isinstance(x, optax_accum.AccumulateState),
+    )
+    if isinstance(s, optax_accum.AccumulateState)
   ]
   if len(found) != 1:
     raise ValueError(
-        f"expected one AccumulateState in the optimizer, found {len(found)}."
+      f"expected one AccumulateState in the optimizer, found {len(found)}."
     )
   return found[0]
 
@@ -361,11 +375,11 @@ def params_of(model: TransformerLM) -> dict:
 
 
 def run_steps(
-    cfg: Config,
-    model: TransformerLM,
-    optimizer: nnx.Optimizer,
-    mode: str,
-    batch: Samples,
+  cfg: Config,
+  model: TransformerLM,
+  optimizer: nnx.Optimizer,
+  mode: str,
+  batch: Samples,
 ) -> tuple[float, float]:
   """One optimizer step of `mode`; returns (big-batch mean loss, tokens)."""
   if mode == "reference":
@@ -374,7 +388,7 @@ def run_steps(
   losses, counts = [], []
   for micro in micro_batches(cfg, batch):
     loss, count = micro_step(
-        model, optimizer, *micro, weighted=mode == "weighted"
+      model, optimizer, *micro, weighted=mode == "weighted"
     )
     losses.append(loss)
     counts.append(count)
@@ -396,19 +410,21 @@ class RunResult(NamedTuple):
 
 
 def train(
-    cfg: Config, data: Data, mode: str, progress: Progress | None = None
+  cfg: Config, data: Data, mode: str, progress: Progress | None = None
 ) -> RunResult:
   """Trains `mode` from the shared initialization on the shared data."""
   model, optimizer = build(cfg, mode)
   task = None
   if progress is not None:
-    task = progress.add_task(mode, total=cfg.steps, loss=float("nan"), tok_s=0.0)
+    task = progress.add_task(
+      mode, total=cfg.steps, loss=float("nan"), tok_s=0.0
+    )
   losses, tokens = [], []
   start = time.perf_counter()
   warm = start
   for step in range(cfg.steps):
     loss, count = run_steps(
-        cfg, model, optimizer, mode, step_batch(cfg, data.train, step)
+      cfg, model, optimizer, mode, step_batch(cfg, data.train, step)
     )
     losses.append(loss)
     tokens.append(count)
@@ -423,14 +439,14 @@ def train(
   if mode == "weighted":
     noise = float(optax_accum.noise_scale(accumulate_state(optimizer)))
   return RunResult(
-      mode=mode,
-      losses=np.asarray(losses),
-      params=params_of(model),
-      heldout=heldout_loss(cfg, model, data.heldout),
-      seconds=seconds,
-      tokens_per_s=tok_s,
-      batch_tokens=float(np.mean(tokens)),
-      noise_scale=noise,
+    mode=mode,
+    losses=np.asarray(losses),
+    params=params_of(model),
+    heldout=heldout_loss(cfg, model, data.heldout),
+    seconds=seconds,
+    tokens_per_s=tok_s,
+    batch_tokens=float(np.mean(tokens)),
+    noise_scale=noise,
   )
 
 
@@ -443,18 +459,21 @@ def unweighted_overweight(cfg: Config, samples: Samples) -> np.ndarray:
   """
   ratios = []
   for step in range(cfg.steps):
-    counts = np.asarray([
+    counts = np.asarray(
+      [
         np.sum(np.maximum(m.lengths - 1, 0))
         for m in micro_batches(cfg, step_batch(cfg, samples, step))
-    ], np.float64)
+      ],
+      np.float64,
+    )
     ratios.append(counts.sum() / (cfg.every_k * counts.min()))
   return np.asarray(ratios)
 
 
 def max_abs_diff(a: Any, b: Any) -> float:
   return max(
-      float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y))))
-      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y))))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
   )
 
 
@@ -477,29 +496,31 @@ _RESUMABLE_FIELDS = {"steps", "heldout_samples"}
 
 
 def _checkpointer() -> ocp.Checkpointer:
-  return ocp.Checkpointer(ocp.CompositeCheckpointHandler(
+  return ocp.Checkpointer(
+    ocp.CompositeCheckpointHandler(
       state=ocp.StandardCheckpointHandler(),
       config=ocp.JsonCheckpointHandler(),
-  ))
+    )
+  )
 
 
 def save_checkpoint(
-    path: pathlib.Path,
-    cfg: Config,
-    mode: str,
-    model: TransformerLM,
-    optimizer: nnx.Optimizer,
+  path: pathlib.Path,
+  cfg: Config,
+  mode: str,
+  model: TransformerLM,
+  optimizer: nnx.Optimizer,
 ) -> None:
   """Saves model and optimizer state (with the accumulator) and the config."""
   state = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
   with _checkpointer() as checkpointer:
     checkpointer.save(
-        pathlib.Path(path).absolute(),
-        force=True,  # a rerun of the demo overwrites its old checkpoint
-        args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            config=ocp.args.JsonSave(_config_dict(cfg, mode)),
-        ),
+      pathlib.Path(path).absolute(),
+      force=True,  # a rerun of the demo overwrites its old checkpoint
+      args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        config=ocp.args.JsonSave(_config_dict(cfg, mode)),
+      ),
     )
 
 
@@ -511,23 +532,25 @@ def _brief(error: Exception, limit: int = 300) -> str:
 
 def _leaf_table(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
   """`{"model.blocks.0.qkv.kernel.value": (shape, dtype)}` for array leaves."""
+
   def name(path) -> str:
     return ".".join(
-        str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
-        for k in path
+      str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+      for k in path
     )
+
   return {
-      name(path): (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
-      for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    name(path): (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
   }
 
 
 def restore_checkpoint(
-    path: pathlib.Path,
-    cfg: Config,
-    mode: str,
-    model: TransformerLM,
-    optimizer: nnx.Optimizer,
+  path: pathlib.Path,
+  cfg: Config,
+  mode: str,
+  model: TransformerLM,
+  optimizer: nnx.Optimizer,
 ) -> None:
   """Restores `save_checkpoint`'s state into `model` and `optimizer` in place.
 
@@ -547,58 +570,65 @@ def restore_checkpoint(
   try:
     with _checkpointer() as checkpointer:
       saved_cfg = checkpointer.restore(
-          path, args=ocp.args.Composite(config=ocp.args.JsonRestore())
+        path, args=ocp.args.Composite(config=ocp.args.JsonRestore())
       ).config
       saved_state = checkpointer.metadata(path).item_metadata["state"]
     saved_leaves = _leaf_table(saved_state)
   except Exception as e:  # Orbax raises many types for unreadable files.
     raise CheckpointError(
-        f"The checkpoint at {path} is missing or corrupt: its config or"
-        f" metadata could not be read ({_brief(e)})."
+      f"The checkpoint at {path} is missing or corrupt: its config or"
+      f" metadata could not be read ({_brief(e)})."
     ) from e
 
   expected = _config_dict(cfg, mode)
   differing = [
-      f"`{key}` saved {saved_cfg.get(key)!r}, now {value!r}"
-      for key, value in expected.items()
-      if key not in _RESUMABLE_FIELDS and saved_cfg.get(key) != value
+    f"`{key}` saved {saved_cfg.get(key)!r}, now {value!r}"
+    for key, value in expected.items()
+    if key not in _RESUMABLE_FIELDS and saved_cfg.get(key) != value
   ]
   if differing:
     raise CheckpointError(
-        f"The checkpoint at {path} was saved by another configuration:"
-        f" {', '.join(differing)}. Restore it with the configuration it was"
-        " saved with."
+      f"The checkpoint at {path} was saved by another configuration:"
+      f" {', '.join(differing)}. Restore it with the configuration it was"
+      " saved with."
     )
 
   wanted_leaves = _leaf_table(abstract)
+
   def describe(leaf):
     return f"shape {leaf[0]} {leaf[1]}"
 
-  problems = [f"{n} is not in the checkpoint"
-              for n in wanted_leaves if n not in saved_leaves]
-  problems += [f"{n} is in the checkpoint but not in this model"
-               for n in saved_leaves if n not in wanted_leaves]
+  problems = [
+    f"{n} is not in the checkpoint"
+    for n in wanted_leaves
+    if n not in saved_leaves
+  ]
   problems += [
-      f"{n} has {describe(saved_leaves[n])} in the checkpoint, this model"
-      f" expects {describe(want)}"
-      for n, want in wanted_leaves.items()
-      if n in saved_leaves and saved_leaves[n] != want
+    f"{n} is in the checkpoint but not in this model"
+    for n in saved_leaves
+    if n not in wanted_leaves
+  ]
+  problems += [
+    f"{n} has {describe(saved_leaves[n])} in the checkpoint, this model"
+    f" expects {describe(want)}"
+    for n, want in wanted_leaves.items()
+    if n in saved_leaves and saved_leaves[n] != want
   ]
   if problems:
     raise CheckpointError(
-        f"The checkpoint at {path} does not fit this model and optimizer:"
-        f" {len(problems)} leaves differ, the first: {problems[0]}."
+      f"The checkpoint at {path} does not fit this model and optimizer:"
+      f" {len(problems)} leaves differ, the first: {problems[0]}."
     )
 
   try:
     with _checkpointer() as checkpointer:
       restored = checkpointer.restore(
-          path, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+        path, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
       ).state
   except Exception as e:
     raise CheckpointError(
-        f"The checkpoint at {path} is corrupt: its arrays could not be read"
-        f" ({_brief(e)})."
+      f"The checkpoint at {path} is corrupt: its arrays could not be read"
+      f" ({_brief(e)})."
     ) from e
   nnx.update(model, restored["model"])
   nnx.update(optimizer, restored["optimizer"])
@@ -615,8 +645,9 @@ def resume_check(cfg: Config, data: Data, ckpt_dir: pathlib.Path) -> dict:
   mode = "weighted"
   # Three steps' worth of data (the first ones again if the run is shorter).
   micros = [
-      m for step in range(3)
-      for m in micro_batches(cfg, step_batch(cfg, data.train, step % cfg.steps))
+    m
+    for step in range(3)
+    for m in micro_batches(cfg, step_batch(cfg, data.train, step % cfg.steps))
   ]
   stop = 2 * cfg.every_k + cfg.every_k // 2
   model, optimizer = build(cfg, mode)
@@ -627,9 +658,7 @@ def resume_check(cfg: Config, data: Data, ckpt_dir: pathlib.Path) -> dict:
   save_checkpoint(path, cfg, mode, model, optimizer)
   for micro in micros[stop:]:
     micro_step(model, optimizer, *micro, weighted=True)
-  uninterrupted = jax.device_get(
-      (nnx.state(model), nnx.state(optimizer))
-  )
+  uninterrupted = jax.device_get((nnx.state(model), nnx.state(optimizer)))
 
   fresh_model, fresh_optimizer = build(cfg, mode)
   restore_checkpoint(path, cfg, mode, fresh_model, fresh_optimizer)
@@ -639,16 +668,16 @@ def resume_check(cfg: Config, data: Data, ckpt_dir: pathlib.Path) -> dict:
 
   same_tree = jax.tree.structure(uninterrupted) == jax.tree.structure(resumed)
   identical = same_tree and all(
-      np.asarray(a).dtype == np.asarray(b).dtype and np.array_equal(a, b)
-      for a, b in zip(
-          jax.tree.leaves(uninterrupted), jax.tree.leaves(resumed), strict=True
-      )
+    np.asarray(a).dtype == np.asarray(b).dtype and np.array_equal(a, b)
+    for a, b in zip(
+      jax.tree.leaves(uninterrupted), jax.tree.leaves(resumed), strict=True
+    )
   )
   return {
-      "saved_after_micro_batches": stop,
-      "micro_step_at_save": micro_at_save,
-      "micro_batches_total": len(micros),
-      "bitwise_identical": bool(identical),
+    "saved_after_micro_batches": stop,
+    "micro_step_at_save": micro_at_save,
+    "micro_batches_total": len(micros),
+    "bitwise_identical": bool(identical),
   }
 
 
@@ -660,35 +689,35 @@ def resume_check(cfg: Config, data: Data, ckpt_dir: pathlib.Path) -> dict:
 def compare(results: dict[str, RunResult]) -> dict[str, dict]:
   ref = results["reference"]
   return {
-      mode: {
-          "max_abs_dloss": float(np.max(np.abs(r.losses - ref.losses))),
-          "max_abs_dparams": max_abs_diff(r.params, ref.params),
-      }
-      for mode, r in results.items()
+    mode: {
+      "max_abs_dloss": float(np.max(np.abs(r.losses - ref.losses))),
+      "max_abs_dparams": max_abs_diff(r.params, ref.params),
+    }
+    for mode, r in results.items()
   }
 
 
 def make_table(cfg: Config, results: dict[str, RunResult], diffs) -> Table:
   table = Table(
-      title=f"{cfg.steps} steps of {cfg.batch_size} samples"
-      f" (every_k={cfg.every_k} x micro_batch={cfg.micro_batch})",
-      caption="loss in nats/byte; Δ: max |run - big batch| over all steps",
+    title=f"{cfg.steps} steps of {cfg.batch_size} samples"
+    f" (every_k={cfg.every_k} x micro_batch={cfg.micro_batch})",
+    caption="loss in nats/byte; Δ: max |run - big batch| over all steps",
   )
   for column in ("run", "loss", "held-out", "Δloss", "Δparams", "tokens/s"):
     table.add_column(column, justify="left" if column == "run" else "right")
   labels = {
-      "reference": "big batch",
-      "weighted": "accum, weighted",
-      "unweighted": "accum, unweighted",
+    "reference": "big batch",
+    "weighted": "accum, weighted",
+    "unweighted": "accum, unweighted",
   }
   for mode, r in results.items():
     table.add_row(
-        labels[mode],
-        f"{r.losses[-1]:.4f}",
-        f"{r.heldout:.4f}",
-        "-" if mode == "reference" else f"{diffs[mode]['max_abs_dloss']:.1e}",
-        "-" if mode == "reference" else f"{diffs[mode]['max_abs_dparams']:.1e}",
-        f"{r.tokens_per_s:,.0f}",
+      labels[mode],
+      f"{r.losses[-1]:.4f}",
+      f"{r.heldout:.4f}",
+      "-" if mode == "reference" else f"{diffs[mode]['max_abs_dloss']:.1e}",
+      "-" if mode == "reference" else f"{diffs[mode]['max_abs_dparams']:.1e}",
+      f"{r.tokens_per_s:,.0f}",
     )
   return table
 
@@ -701,15 +730,23 @@ def plot(results: dict[str, RunResult], path: pathlib.Path) -> None:
 
   ref = results["reference"].losses
   fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
-  styles = {"reference": ("-", "C0"), "weighted": ("--", "C1"),
-            "unweighted": (":", "C3")}
+  styles = {
+    "reference": ("-", "C0"),
+    "weighted": ("--", "C1"),
+    "unweighted": (":", "C3"),
+  }
   for mode, r in results.items():
     steps = np.arange(1, len(r.losses) + 1)
     line, color = styles[mode]
     top.plot(steps, r.losses, line, color=color, label=mode)
     if mode != "reference":
-      bottom.semilogy(steps, np.maximum(np.abs(r.losses - ref), 1e-9), line,
-                      color=color, label=mode)
+      bottom.semilogy(
+        steps,
+        np.maximum(np.abs(r.losses - ref), 1e-9),
+        line,
+        color=color,
+        label=mode,
+      )
   top.set_ylabel("big-batch mean loss (nats/byte)")
   top.legend()
   bottom.set_ylabel("|loss - reference loss|")
@@ -723,25 +760,31 @@ def plot(results: dict[str, RunResult], path: pathlib.Path) -> None:
 def interpret_noise_scale(b_crit: float, batch_tokens: float) -> str:
   """One line on what the batch size means next to the critical batch size."""
   if not np.isfinite(b_crit) or b_crit <= 0:
-    return ("no usable estimate yet (it needs cycles of >= 2 micro-batches"
-            " and a clear gradient signal).")
+    return (
+      "no usable estimate yet (it needs cycles of >= 2 micro-batches"
+      " and a clear gradient signal)."
+    )
   ratio = batch_tokens / b_crit
   if ratio < 0.5:
-    return ("well below it, so a larger batch (a larger every_k) would cut"
-            " the number of steps almost in proportion.")
+    return (
+      "well below it, so a larger batch (a larger every_k) would cut"
+      " the number of steps almost in proportion."
+    )
   if ratio > 2:
-    return ("well above it, so a larger batch would barely cut the number of"
-            " steps, and a smaller one would reach the same loss with less"
-            " compute (the estimate grows as the loss falls).")
+    return (
+      "well above it, so a larger batch would barely cut the number of"
+      " steps, and a smaller one would reach the same loss with less"
+      " compute (the estimate grows as the loss falls)."
+    )
   return "close to it: the usual balance between steps and compute."
 
 
 def run_demo(
-    cfg: Config,
-    out: pathlib.Path,
-    *,
-    check_resume: bool = True,
-    console: Console | None = None,
+  cfg: Config,
+  out: pathlib.Path,
+  *,
+  check_resume: bool = True,
+  console: Console | None = None,
 ) -> dict:
   """Trains the three runs, writes the table, plot and JSON; returns them."""
   console = Console() if console is None else console
@@ -752,19 +795,19 @@ def run_demo(
     start = time.perf_counter()
     data = load_data(cfg)
     console.print(
-        f"{len(data.train.lengths)} training samples from the standard"
-        f" library ({time.perf_counter() - start:.1f} s to load), backend:"
-        f" {jax.default_backend()}"
+      f"{len(data.train.lengths)} training samples from the standard"
+      f" library ({time.perf_counter() - start:.1f} s to load), backend:"
+      f" {jax.default_backend()}"
     )
     results = {}
     with Progress(
-        TextColumn("{task.description:<10}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.3f}"),
-        TextColumn("{task.fields[tok_s]:>8,.0f} tokens/s"),
-        TimeElapsedColumn(),
-        console=console,
+      TextColumn("{task.description:<10}"),
+      BarColumn(),
+      MofNCompleteColumn(),
+      TextColumn("loss {task.fields[loss]:.3f}"),
+      TextColumn("{task.fields[tok_s]:>8,.0f} tokens/s"),
+      TimeElapsedColumn(),
+      console=console,
     ) as progress:
       for mode in MODES:
         results[mode] = train(cfg, data, mode, progress)
@@ -772,98 +815,151 @@ def run_demo(
     console.print(make_table(cfg, results, diffs))
 
     weighted = results["weighted"]
-    matches = (diffs["weighted"]["max_abs_dloss"] <= LOSS_ATOL
-               and diffs["weighted"]["max_abs_dparams"] <= PARAMS_ATOL)
+    matches = (
+      diffs["weighted"]["max_abs_dloss"] <= LOSS_ATOL
+      and diffs["weighted"]["max_abs_dparams"] <= PARAMS_ATOL
+    )
     overweight = unweighted_overweight(cfg, data.train)
     console.print(
-        f"weighted accumulation matches the big batch (|Δ| <= {LOSS_ATOL:g}):"
-        f" {'yes' if matches else 'NO'}. Without weights a token of a step's"
-        f" shortest micro-batch counts {np.mean(overweight):.1f}x (up to"
-        f" {np.max(overweight):.1f}x) its big-batch weight, and the run drifts"
-        f" off the reference by up to {diffs['unweighted']['max_abs_dloss']:.1e}"
-        " in loss."
+      f"weighted accumulation matches the big batch (|Δ| <= {LOSS_ATOL:g}):"
+      f" {'yes' if matches else 'NO'}. Without weights a token of a step's"
+      f" shortest micro-batch counts {np.mean(overweight):.1f}x (up to"
+      f" {np.max(overweight):.1f}x) its big-batch weight, and the run drifts"
+      f" off the reference by up to {diffs['unweighted']['max_abs_dloss']:.1e}"
+      " in loss."
     )
     console.print(
-        f"critical batch size (gradient noise scale): ~{weighted.noise_scale:,.0f}"
-        f" tokens; this run used ~{weighted.batch_tokens:,.0f} real tokens"
-        " per step,"
-        f" {interpret_noise_scale(weighted.noise_scale, weighted.batch_tokens)}"
+      f"critical batch size (gradient noise scale): ~{weighted.noise_scale:,.0f}"
+      f" tokens; this run used ~{weighted.batch_tokens:,.0f} real tokens"
+      " per step,"
+      f" {interpret_noise_scale(weighted.noise_scale, weighted.batch_tokens)}"
     )
     resume = None
     if check_resume:
       resume = resume_check(cfg, data, out / "checkpoints")
       console.print(
-          f"resume check: saved after {resume['saved_after_micro_batches']}"
-          f" micro-batches (micro_step {resume['micro_step_at_save']} of"
-          f" {cfg.every_k}), restored into fresh objects, ran to"
-          f" {resume['micro_batches_total']}: bitwise identical ="
-          f" {resume['bitwise_identical']}"
+        f"resume check: saved after {resume['saved_after_micro_batches']}"
+        f" micro-batches (micro_step {resume['micro_step_at_save']} of"
+        f" {cfg.every_k}), restored into fresh objects, ran to"
+        f" {resume['micro_batches_total']}: bitwise identical ="
+        f" {resume['bitwise_identical']}"
       )
     plot(results, out / "loss_curves.png")
     summary = {
-        "config": dataclasses.asdict(cfg),
-        "backend": jax.default_backend(),
-        "runs": {
-            mode: {
-                "final_loss": float(r.losses[-1]),
-                "heldout_loss": r.heldout,
-                "seconds": r.seconds,
-                "tokens_per_s": r.tokens_per_s,
-                "batch_tokens": r.batch_tokens,
-                **diffs[mode],
-            }
-            for mode, r in results.items()
-        },
-        "weighted_matches_reference": bool(matches),
-        "unweighted_overweight_mean": float(np.mean(overweight)),
-        "unweighted_overweight_max": float(np.max(overweight)),
-        "noise_scale_tokens": weighted.noise_scale,
-        "resume_check": resume,
-        "total_seconds": time.perf_counter() - start,
+      "config": dataclasses.asdict(cfg),
+      "backend": jax.default_backend(),
+      "runs": {
+        mode: {
+          "final_loss": float(r.losses[-1]),
+          "heldout_loss": r.heldout,
+          "seconds": r.seconds,
+          "tokens_per_s": r.tokens_per_s,
+          "batch_tokens": r.batch_tokens,
+          **diffs[mode],
+        }
+        for mode, r in results.items()
+      },
+      "weighted_matches_reference": bool(matches),
+      "unweighted_overweight_mean": float(np.mean(overweight)),
+      "unweighted_overweight_max": float(np.max(overweight)),
+      "noise_scale_tokens": weighted.noise_scale,
+      "resume_check": resume,
+      "total_seconds": time.perf_counter() - start,
     }
     (out / "results.json").write_text(json.dumps(summary, indent=2))
-    console.print(f"wrote {out / 'loss_curves.png'} and {out / 'results.json'}"
-                  f" ({summary['total_seconds']:.0f} s in all)")
+    console.print(
+      f"wrote {out / 'loss_curves.png'} and {out / 'results.json'}"
+      f" ({summary['total_seconds']:.0f} s in all)"
+    )
   return summary
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, argparse.Namespace]:
+def parse_args(
+  argv: Sequence[str] | None = None,
+) -> tuple[Config, argparse.Namespace]:
   defaults = Config()
   parser = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
-  parser.add_argument("--steps", type=int, default=defaults.steps,
-                      help="optimizer steps per run")
-  parser.add_argument("--every-k", type=int, default=defaults.every_k,
-                      help="micro-batches per optimizer step")
-  parser.add_argument("--micro-batch", type=int, default=defaults.micro_batch,
-                      help="samples per micro-batch")
-  parser.add_argument("--max-len", type=int, default=defaults.max_len,
-                      help="bytes per sample (longer blocks are cut)")
-  parser.add_argument("--warmup-steps", type=int,
-                      default=defaults.warmup_steps,
-                      help="linear learning-rate warm-up, in optimizer steps")
-  parser.add_argument("--d-model", type=int, default=defaults.d_model,
-                      help="model width (a multiple of the 4 heads)")
-  parser.add_argument("--num-layers", type=int, default=defaults.num_layers,
-                      help="transformer blocks")
-  parser.add_argument("--seed", type=int, default=defaults.seed,
-                      help="initialization and data order")
-  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("demo_out"),
-                      help="where the plot, JSON and checkpoints go")
-  parser.add_argument("--resume-check", action=argparse.BooleanOptionalAction,
-                      default=True, help="check an Orbax resume mid-cycle")
+  parser.add_argument(
+    "--steps", type=int, default=defaults.steps, help="optimizer steps per run"
+  )
+  parser.add_argument(
+    "--every-k",
+    type=int,
+    default=defaults.every_k,
+    help="micro-batches per optimizer step",
+  )
+  parser.add_argument(
+    "--micro-batch",
+    type=int,
+    default=defaults.micro_batch,
+    help="samples per micro-batch",
+  )
+  parser.add_argument(
+    "--max-len",
+    type=int,
+    default=defaults.max_len,
+    help="bytes per sample (longer blocks are cut)",
+  )
+  parser.add_argument(
+    "--warmup-steps",
+    type=int,
+    default=defaults.warmup_steps,
+    help="linear learning-rate warm-up, in optimizer steps",
+  )
+  parser.add_argument(
+    "--d-model",
+    type=int,
+    default=defaults.d_model,
+    help="model width (a multiple of the 4 heads)",
+  )
+  parser.add_argument(
+    "--num-layers",
+    type=int,
+    default=defaults.num_layers,
+    help="transformer blocks",
+  )
+  parser.add_argument(
+    "--seed",
+    type=int,
+    default=defaults.seed,
+    help="initialization and data order",
+  )
+  parser.add_argument(
+    "--out",
+    type=pathlib.Path,
+    default=pathlib.Path("demo_out"),
+    help="where the plot, JSON and checkpoints go",
+  )
+  parser.add_argument(
+    "--resume-check",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="check an Orbax resume mid-cycle",
+  )
   args = parser.parse_args(argv)
-  for name in ("steps", "every_k", "micro_batch", "max_len", "d_model",
-               "num_layers"):
+  for name in (
+    "steps",
+    "every_k",
+    "micro_batch",
+    "max_len",
+    "d_model",
+    "num_layers",
+  ):
     if getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} must be >= 1")
   cfg = dataclasses.replace(
-      defaults, steps=args.steps, every_k=args.every_k,
-      micro_batch=args.micro_batch, max_len=args.max_len,
-      warmup_steps=args.warmup_steps,
-      d_model=args.d_model, num_layers=args.num_layers, seed=args.seed,
+    defaults,
+    steps=args.steps,
+    every_k=args.every_k,
+    micro_batch=args.micro_batch,
+    max_len=args.max_len,
+    warmup_steps=args.warmup_steps,
+    d_model=args.d_model,
+    num_layers=args.num_layers,
+    seed=args.seed,
   )
   if cfg.warmup_steps < 0:
     parser.error("--warmup-steps must be >= 0")
