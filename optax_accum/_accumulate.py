@@ -468,10 +468,23 @@ def accumulate(
 
     def run_inner(acc, total_weight, noise, inner_state, params):
       if axis_name is not None:
-        acc, total_weight, noise_sums = lax.psum(
-          (acc, total_weight, (noise.sq_norm_sum, noise.count)), axis_name
-        )
-        noise = noise._replace(sq_norm_sum=noise_sums[0], count=noise_sums[1])
+        # One all-reduce per cycle: the gradient sum and its weight, plus the
+        # noise-scale sums (the count as float32 so it joins the same op).
+        if track_noise_scale:
+          acc, total_weight, sq_sum, count = lax.psum(
+            (
+              acc,
+              total_weight,
+              noise.sq_norm_sum,
+              noise.count.astype(jnp.float32),
+            ),
+            axis_name,
+          )
+          noise = noise._replace(
+            sq_norm_sum=sq_sum, count=count.astype(noise.count.dtype)
+          )
+        else:
+          acc, total_weight = lax.psum((acc, total_weight), axis_name)
       positive = total_weight > 0
       safe_weight = jnp.where(positive, total_weight, 1.0)
       # A multiply, not a divide: XLA duplicates a cheap elementwise op into
