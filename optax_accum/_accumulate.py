@@ -6,6 +6,7 @@ in ``update``): the accumulator add sits outside any control flow, and the
 inner optimizer runs inside a ``lax.cond`` that only emitting calls enter.
 """
 
+import numbers
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -52,7 +53,7 @@ def _check_options(
       f" got {axis_name!r}."
     )
   if isinstance(noise_scale_decay, bool) or not (
-    isinstance(noise_scale_decay, (int, float)) and 0 <= noise_scale_decay < 1
+    isinstance(noise_scale_decay, numbers.Real) and 0 <= noise_scale_decay < 1
   ):
     raise ValueError(
       f"`noise_scale_decay` must be a float in [0, 1), got"
@@ -105,15 +106,17 @@ def _compute_dtype(acc_dtype: Any) -> Any:
   return jnp.promote_types(acc_dtype, jnp.float32)
 
 
-def _mean_sq_norm(acc: Any, inv_weight: jax.Array) -> jax.Array:
-  r""":math:`|\sum_i w_i g_i / W|^2` from the accumulator, in float32."""
-  return sum(
-    (
-      jnp.sum(jnp.square(a.astype(jnp.float32) * inv_weight))
-      for a in jax.tree.leaves(acc)
-    ),
-    jnp.zeros([], jnp.float32),
-  )
+def _sq_norm(tree: Any, scale: Any = 1.0) -> jax.Array:
+  r""":math:`|\text{scale} \cdot x|^2` summed over the leaves, in float32.
+
+  Complex leaves count their modulus, so no imaginary part is lost.
+  """
+  total = jnp.zeros([], jnp.float32)
+  for x in jax.tree.leaves(tree):
+    x = jnp.asarray(x)
+    x = jnp.abs(x) if jnp.iscomplexobj(x) else x.astype(jnp.float32)
+    total += jnp.sum(jnp.square(x.astype(jnp.float32) * scale))
+  return total
 
 
 def _holds_exactly(wide: Any, narrow: Any) -> bool:
@@ -215,7 +218,8 @@ def accumulate(
   Rules for the runtime values (not checked under ``jit``):
 
   * a micro-batch of weight 0 counts toward :math:`k` but contributes
-    nothing; a cycle whose total weight is not positive emits zeros, leaves
+    nothing, even if its gradient is NaN or Inf (the 0/0 per-token mean of
+    an all-padding micro-batch); a cycle whose total weight is not positive emits zeros, leaves
     ``inner``'s state and ``step`` unchanged and produces no NaN; weights are
     meant to be :math:`\geq 0`;
   * ``flush=True`` ends the cycle at this call, however many micro-batches
@@ -223,10 +227,10 @@ def accumulate(
     window of an epoch); on an empty cycle it emits nothing;
   * a schedule ``every_k(step)`` is called with ``state.step``; its value is
     rounded down and values below 1 are treated as 1;
-  * with ``skip_nonfinite=True`` a micro-batch whose gradient or weight holds
-    a NaN or Inf is dropped as if the call never happened (it does not count
-    toward :math:`k`) and ``num_skipped`` grows; without it a NaN reaches
-    ``inner`` at the end of the cycle.
+  * with ``skip_nonfinite=True`` a micro-batch whose weight, or whose
+    gradient at nonzero weight, holds a NaN or Inf is dropped as if the call
+    never happened (it does not count toward :math:`k`) and ``num_skipped``
+    grows; without it the NaN reaches ``inner`` at the end of the cycle.
 
   Args:
     inner: The optimizer to run once per cycle, any
@@ -237,7 +241,9 @@ def accumulate(
     reduction: ``"mean"`` (weighted mean, the default) or ``"sum"``.
     accumulator_dtype: The dtype of the accumulator (float32 by default, so
       bf16 gradients do not lose precision); ``None`` keeps each gradient
-      leaf's dtype. Emitted gradients keep the gradient's dtype.
+      leaf's dtype. Complex gradient leaves get the matching complex dtype;
+      for float64 gradients pass ``jnp.float64`` or ``None``. Emitted
+      gradients keep the gradient's dtype.
     skip_nonfinite: Drop micro-batches with a non-finite gradient or weight.
     axis_name: A named axis (``shard_map``, ``pmap``, ``vmap``) over which
       the accumulated gradients and weights are summed on emitting calls
@@ -278,7 +284,7 @@ def accumulate(
   inner = optax.with_extra_args_support(inner)
 
   def acc_dtype(leaf: Any) -> Any:
-    return leaf.dtype if accumulator_dtype is None else accumulator_dtype
+    return _checks.leaf_accumulator_dtype(accumulator_dtype, leaf.dtype)
 
   def init_fn(params: optax.Params) -> AccumulateState:
     def zeros_like_param(p):
@@ -367,9 +373,12 @@ def accumulate(
       lambda g: jax.ShapeDtypeStruct(jnp.shape(g), jnp.result_type(g)), grads
     )
     if skip_nonfinite:
-      finite = jnp.isfinite(weight)
+      grads_finite = jnp.asarray(True)
       for g in grad_leaves:
-        finite &= jnp.all(jnp.isfinite(g))
+        grads_finite &= jnp.all(jnp.isfinite(g))
+      # A zero-weight micro-batch (e.g. the 0/0 mean of an all-padding
+      # micro-batch) counts toward k and contributes nothing, NaN or not.
+      finite = jnp.isfinite(weight) & (grads_finite | (weight == 0))
     else:
       finite = jnp.asarray(True)
     if axis_name is not None:
@@ -385,9 +394,10 @@ def accumulate(
     def add(acc, g):
       compute = _compute_dtype(acc.dtype)
       base = jnp.where(fresh, jnp.zeros([], compute), acc.astype(compute))
-      term = g.astype(compute)
+      term = jnp.asarray(g).astype(compute)
       if has_weight:
-        term = term * weight.astype(compute)
+        # Weight 0 contributes nothing, even a NaN or Inf gradient.
+        term = jnp.where(weight == 0, 0, term * weight.astype(compute))
       summed = base + term
       if skip_nonfinite:
         summed = jnp.where(finite, summed, base)
@@ -408,10 +418,7 @@ def accumulate(
       cycles=state.noise_cycles,
     )
     if track_noise_scale:
-      sq_norm = sum(
-        (jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grad_leaves),
-        jnp.zeros([], jnp.float32),
-      )
+      sq_norm = _sq_norm(grad_leaves)
       counted = finite & (weight > 0)
       noise = noise._replace(
         sq_norm_sum=jnp.where(fresh, 0.0, noise.sq_norm_sum)
@@ -429,7 +436,7 @@ def accumulate(
     cycle_end = (micro_step >= k) | flush
     if axis_name is None:
       # Locally known: skip the branch entirely for a weightless cycle.
-      enter = cycle_end & (total_weight > 0)
+      enter = cycle_end & ~(total_weight <= 0)  # a NaN total reaches inner
     else:
       # The global weight is only known after the reduction in the branch.
       enter = cycle_end & (micro_step > 0)
@@ -485,7 +492,7 @@ def accumulate(
           )
         else:
           acc, total_weight = lax.psum((acc, total_weight), axis_name)
-      positive = total_weight > 0
+      positive = ~(total_weight <= 0)  # NaN: let it reach `inner`
       safe_weight = jnp.where(positive, total_weight, 1.0)
       # A multiply, not a divide: XLA duplicates a cheap elementwise op into
       # every consumer fusion of the inner optimizer, but materialises a
@@ -505,7 +512,7 @@ def accumulate(
         if axis_name is None:
           mean_sq = local_mean_sq
         else:  # The global mean is only known after the psum above.
-          mean_sq = _mean_sq_norm(acc, inv_weight)
+          mean_sq = _sq_norm(acc, inv_weight)
         noise = _noise_scale._fold_cycle(
           noise, mean_sq, total_weight, noise_scale_decay
         )
@@ -553,7 +560,7 @@ def accumulate(
       # on every call: a parameter-sized buffer more, and its traffic.
       local_mean_sq = lax.cond(
         enter,
-        lambda a, w: _mean_sq_norm(a, 1.0 / jnp.where(w > 0, w, 1.0)),
+        lambda a, w: _sq_norm(a, 1.0 / jnp.where(w > 0, w, 1.0)),
         lambda a, w: jnp.zeros([], jnp.float32),
         acc,
         total_weight,

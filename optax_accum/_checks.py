@@ -56,3 +56,14 @@ def accumulator_dtype(value: Any) -> Any:
       f"`accumulator_dtype` must be a floating dtype or None, got {dtype}."
     )
   return dtype
+
+
+def leaf_accumulator_dtype(accumulator_dtype: Any, leaf_dtype: Any) -> Any:
+  """The accumulator dtype of one leaf: never drops an imaginary part."""
+  if accumulator_dtype is None:
+    return leaf_dtype
+  if jnp.issubdtype(leaf_dtype, jnp.complexfloating) and not jnp.issubdtype(
+    accumulator_dtype, jnp.complexfloating
+  ):
+    return jnp.promote_types(accumulator_dtype, jnp.complex64)
+  return accumulator_dtype

@@ -305,9 +305,9 @@ def microbatch(
 
     def acc_dtype(position, shape):
       if position >= num_value_leaves:  # A gradient leaf.
-        if accumulator_dtype is None or kinds[position] != _MEAN:
+        if kinds[position] != _MEAN:
           return shape.dtype
-        return accumulator_dtype
+        return _checks.leaf_accumulator_dtype(accumulator_dtype, shape.dtype)
       if kinds[position] == _MEAN:  # The loss or a floating aux leaf.
         return jnp.promote_types(shape.dtype, jnp.float32)
       return shape.dtype

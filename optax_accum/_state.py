@@ -27,7 +27,8 @@ class AccumulateState(NamedTuple):
       next call overwrites it without reading it.
     acc_weight: ``float32[]``. :math:`\\sum_i w_i`, the total weight
       accumulated in the current cycle (with the default weight of 1, the
-      number of micro-batches).
+      number of micro-batches). Reset lazily like ``acc_grads``: when
+      ``micro_step == 0`` it still holds the last cycle's total.
     inner_state: The wrapped transformation's state; changes only on
       emitting calls.
     num_skipped: ``int32[]``. Micro-batches dropped by ``skip_nonfinite``

@@ -677,3 +677,67 @@ def test_non_scalar_weight_is_rejected(maybe_jit):
 def test_has_updated_rejects_other_states():
   with pytest.raises(TypeError, match="state"):
     optax_accum.has_updated(optax.adam(1e-3).init(jnp.zeros(2)))
+
+
+# ---------------------------------------------------------------------------
+# Edge cases found in review.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
+def test_zero_weight_micro_batch_with_nonfinite_gradient_contributes_nothing(
+  maybe_jit, skip_nonfinite, bad
+):
+  """The per-token mean of an all-padding micro-batch is 0/0 = NaN."""
+  tx = optax_accum.accumulate(_identity(), 3, skip_nonfinite=skip_nonfinite)
+  params = jnp.zeros(2)
+  state = tx.init(params)
+  update = maybe_jit(tx.update)
+  _, state = update(jnp.array([1.0, 2.0]), state, params, weight=2.0)
+  _, state = update(jnp.full(2, bad), state, params, weight=0.0)
+  assert int(state.micro_step) == 2 and int(state.num_skipped) == 0
+  out, state = update(jnp.array([3.0, 4.0]), state, params, weight=2.0)
+  assert optax_accum.has_updated(state)
+  np.testing.assert_array_equal(out, jnp.array([2.0, 3.0]))
+
+
+def test_nan_weight_without_skip_nonfinite_reaches_the_inner(maybe_jit):
+  tx = optax_accum.accumulate(_identity(), 2)
+  params = jnp.zeros(2)
+  state = tx.init(params)
+  update = maybe_jit(tx.update)
+  _, state = update(jnp.ones(2), state, params, weight=jnp.nan)
+  out, state = update(jnp.ones(2), state, params, weight=1.0)
+  assert optax_accum.has_updated(state)
+  assert bool(jnp.all(jnp.isnan(out)))
+
+
+def test_complex_gradients_keep_their_imaginary_part(maybe_jit):
+  params = jnp.zeros(2, jnp.complex64)
+  tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+  state = tx.init(params)
+  assert state.acc_grads.dtype == jnp.complex64
+  update = maybe_jit(tx.update)
+  g = jnp.array([1 + 1j, 2 + 2j], jnp.complex64)
+  _, state = update(g, state, params)
+  out, state = update(g, state, params)
+  expected, _ = optax.sgd(1.0).update(g, optax.sgd(1.0).init(params))
+  np.testing.assert_array_equal(out, expected)
+
+
+def test_python_scalar_gradient_leaves_are_accepted(maybe_jit):
+  tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+  params = {"a": 0.0, "b": jnp.zeros(2)}
+  state = tx.init(params)
+  update = maybe_jit(tx.update)
+  _, state = update({"a": 1.0, "b": jnp.ones(2)}, state, params)
+  out, state = update({"a": 3.0, "b": jnp.ones(2)}, state, params)
+  np.testing.assert_allclose(out["a"], -2.0)
+
+
+def test_noise_scale_decay_accepts_numpy_reals():
+  tx = optax_accum.accumulate(
+    optax.sgd(0.1), 2, track_noise_scale=True, noise_scale_decay=np.float32(0.9)
+  )
+  assert isinstance(tx, optax.GradientTransformationExtraArgs)

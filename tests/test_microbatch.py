@@ -466,3 +466,16 @@ def test_output_that_is_not_value_and_grad_is_rejected(maybe_jit):
   grad_fn = optax_accum.microbatch(jax.grad(_loss), 4)
   with pytest.raises(TypeError, match="`value_and_grad_fn` must return"):
     maybe_jit(grad_fn)(_params(), _batch())
+
+
+def test_complex_gradients_keep_their_imaginary_part():
+  def loss(params, batch):
+    return jnp.real(jnp.sum(jnp.conj(params)[None, :] * batch["x"]))
+
+  params = jnp.array([1 + 2j, 3 - 1j], jnp.complex64)
+  batch = {"x": jnp.arange(8, dtype=jnp.float32).reshape(4, 2) * (1 - 1j)}
+  full = jax.value_and_grad(loss)(params, batch)
+  split = optax_accum.microbatch(jax.value_and_grad(loss), 2)(params, batch)
+  assert split[1].dtype == jnp.complex64
+  # The split loss is a mean of micro-batch sums: half the full sum.
+  np.testing.assert_allclose(split[1], full[1] / 2, rtol=1e-6)
