@@ -16,7 +16,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _checks, _noise_scale
+from optax_accum import _checks, _noise_scale, _weighting
 from optax_accum._state import AccumulateState
 
 EveryK = int | Callable[[jax.Array], Any]
@@ -101,11 +101,6 @@ def _scalar(value: Any, name: str, dtype: Any) -> jax.Array:
   return value.astype(dtype)
 
 
-def _compute_dtype(acc_dtype: Any) -> Any:
-  """The dtype in which a gradient is weighted and added (>= float32)."""
-  return jnp.promote_types(acc_dtype, jnp.float32)
-
-
 def _sq_norm(tree: Any, scale: Any = 1.0) -> jax.Array:
   r""":math:`|\text{scale} \cdot x|^2` summed over the leaves, in float32.
 
@@ -113,10 +108,15 @@ def _sq_norm(tree: Any, scale: Any = 1.0) -> jax.Array:
   """
   total = jnp.zeros([], jnp.float32)
   for x in jax.tree.leaves(tree):
-    x = jnp.asarray(x)
-    x = jnp.abs(x) if jnp.iscomplexobj(x) else x.astype(jnp.float32)
+    x = jnp.abs(x) if jnp.iscomplexobj(x) else jnp.asarray(x)
     total += jnp.sum(jnp.square(x.astype(jnp.float32) * scale))
   return total
+
+
+def _inverse_weight(total_weight: jax.Array) -> jax.Array:
+  """1 / W, with 1 for a non-positive W (whose cycle emits nothing); a NaN W
+  stays NaN so that it reaches ``inner``."""
+  return 1.0 / jnp.where(total_weight <= 0, 1.0, total_weight)
 
 
 def _holds_exactly(wide: Any, narrow: Any) -> bool:
@@ -219,9 +219,9 @@ def accumulate(
 
   * a micro-batch of weight 0 counts toward :math:`k` but contributes
     nothing, even if its gradient is NaN or Inf (the 0/0 per-token mean of
-    an all-padding micro-batch); a cycle whose total weight is not positive emits zeros, leaves
-    ``inner``'s state and ``step`` unchanged and produces no NaN; weights are
-    meant to be :math:`\geq 0`;
+    an all-padding micro-batch); a cycle whose total weight is not positive
+    emits zeros, leaves ``inner``'s state and ``step`` unchanged and
+    produces no NaN; weights are meant to be :math:`\geq 0`;
   * ``flush=True`` ends the cycle at this call, however many micro-batches
     it holds, normalised by what was actually accumulated (the partial last
     window of an epoch); on an empty cycle it emits nothing;
@@ -392,12 +392,11 @@ def accumulate(
     fresh = state.micro_step == 0
 
     def add(acc, g):
-      compute = _compute_dtype(acc.dtype)
+      compute = _weighting.compute_dtype(acc.dtype)
       base = jnp.where(fresh, jnp.zeros([], compute), acc.astype(compute))
-      term = jnp.asarray(g).astype(compute)
-      if has_weight:
-        # Weight 0 contributes nothing, even a NaN or Inf gradient.
-        term = jnp.where(weight == 0, 0, term * weight.astype(compute))
+      term = _weighting.weighted_term(
+        g, weight if has_weight else None, compute
+      )
       summed = base + term
       if skip_nonfinite:
         summed = jnp.where(finite, summed, base)
@@ -493,14 +492,13 @@ def accumulate(
         else:
           acc, total_weight = lax.psum((acc, total_weight), axis_name)
       positive = ~(total_weight <= 0)  # NaN: let it reach `inner`
-      safe_weight = jnp.where(positive, total_weight, 1.0)
       # A multiply, not a divide: XLA duplicates a cheap elementwise op into
       # every consumer fusion of the inner optimizer, but materialises a
       # divide into a parameter-sized buffer first.
-      inv_weight = 1.0 / safe_weight
+      inv_weight = _inverse_weight(total_weight)
 
       def mean_grad(a, g):
-        compute = _compute_dtype(a.dtype)
+        compute = _weighting.compute_dtype(a.dtype)
         if reduction == "mean":
           a = a.astype(compute) * inv_weight.astype(compute)
         return a.astype(g.dtype)
@@ -560,7 +558,7 @@ def accumulate(
       # on every call: a parameter-sized buffer more, and its traffic.
       local_mean_sq = lax.cond(
         enter,
-        lambda a, w: _sq_norm(a, 1.0 / jnp.where(w > 0, w, 1.0)),
+        lambda a, w: _sq_norm(a, _inverse_weight(w)),
         lambda a, w: jnp.zeros([], jnp.float32),
         acc,
         total_weight,

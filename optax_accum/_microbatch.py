@@ -13,7 +13,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 
-from optax_accum import _checks
+from optax_accum import _checks, _weighting
 
 # ----------------------------------------------------------------------------
 # The batch split (trace time).
@@ -334,11 +334,8 @@ def microbatch(
       new_accs, lasts = [], []
       for kind, acc, value in zip(kinds, accs, leaves, strict=True):
         if kind == _MEAN:
-          compute = jnp.promote_types(acc.dtype, jnp.float32)
-          term = value.astype(compute)
-          if weight is not None:
-            # A zero-weight micro-batch may hold the NaN of a 0/0 mean.
-            term = jnp.where(weight == 0, 0, term * weight.astype(compute))
+          compute = _weighting.compute_dtype(acc.dtype)
+          term = _weighting.weighted_term(value, weight, compute)
           acc = (acc.astype(compute) + term).astype(acc.dtype)
         elif kind == _SUM:
           acc = acc + value
@@ -361,7 +358,7 @@ def microbatch(
     results = []
     for kind, acc, shape in zip(kinds, accs, leaf_shapes, strict=True):
       if kind == _MEAN:
-        compute = jnp.promote_types(acc.dtype, jnp.float32)
+        compute = _weighting.compute_dtype(acc.dtype)
         if weight_fn is None:
           mean = acc.astype(compute) / n
         else:
