@@ -250,13 +250,15 @@ def _check_weight(weight: Any) -> jax.Array:
 
 def _check_flush(flush: Any) -> jax.Array:
   """`flush` as a bool[]; raises naming it."""
-  f = np.asarray(None) if flush is None else jnp.asarray(flush)
-  if f.dtype != np.bool_ or f.ndim != 0:
+  is_bool_scalar = not (flush is None or isinstance(flush, str | bytes)) and (
+    jnp.result_type(flush) == jnp.bool_ and jnp.ndim(flush) == 0
+  )
+  if not is_bool_scalar:
     raise TypeError(
       "`flush` must be a boolean scalar (True ends the cycle at this call),"
       f" got {flush!r}."
     )
-  return f
+  return jnp.asarray(flush)
 
 
 class _MicroBatch(NamedTuple):
