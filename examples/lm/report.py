@@ -15,15 +15,17 @@ LABELS = {
   "unweighted": "accum, unweighted",
 }
 
-# Why the accumulating runs can show more tokens/s than the big batch: the
-# demo's own runs measure it, and benchmarks/bench_train.py measures it with
-# medians over interleaved rounds.
+# Why the accumulating runs can show more tokens/s than the big batch, and
+# why a given run may not: benchmarks/bench_train.py measures the same
+# comparison with medians over interleaved rounds.
 TOKENS_PER_S_NOTE = (
   "tokens/s: the accumulating runs push {micro} samples at a time through"
-  " the model, the big batch {batch}. On a CPU the big batch pays for its"
-  " activation memory ({k}x larger, out of cache), so a micro-batch can run"
-  " faster per token; the optimizer runs once per step in both. Timings on"
-  " a shared machine are noisy; every other number is deterministic."
+  " the model, the big batch {batch}. On a CPU the big batch pays for {k}x"
+  " the activation memory (out of cache), so on a quiet machine a"
+  " micro-batch often runs faster per token; the optimizer runs once per"
+  " step in both. Timings under other load can flip that order (see"
+  " benchmarks/bench_train.py for medians); every other number here is"
+  " deterministic."
 )
 
 
@@ -64,10 +66,13 @@ def plot(
     f" {cfg.batch_size} vs accumulate({cfg.every_k} x {cfg.micro_batch})"
   )
   # The weighted curve lies on the big-batch one: markers keep it visible.
+  every = max(1, len(ref) // 10)
   styles = {
     "reference": dict(linestyle="-", color="C0", linewidth=3, alpha=0.5),
-    "weighted": dict(linestyle="--", color="C1", marker="o", markevery=0.1),
-    "unweighted": dict(linestyle=":", color="C3", marker="s", markevery=0.1),
+    "weighted": dict(linestyle="--", color="C1", marker="o", markevery=every),
+    "unweighted": dict(
+      linestyle=":", color="C3", marker="s", markevery=(every // 2, every)
+    ),
   }
   for mode, r in results.items():
     steps = np.arange(1, len(r.losses) + 1)
