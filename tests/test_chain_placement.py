@@ -32,16 +32,9 @@ def _run(tx, params, grads, maybe_jit):
   outputs = []
   for g in grads:
     updates, state = update(g, state, params)
-    outputs.append((updates, bool(optax_accum.has_updated(_accum(state)))))
+    # has_updated finds the AccumulateState inside a chain's state too.
+    outputs.append((updates, bool(optax_accum.has_updated(state))))
   return outputs
-
-
-def _accum(state):
-  """The AccumulateState, at the top or as a member of a chain."""
-  if isinstance(state, optax_accum.AccumulateState):
-    return state
-  (found,) = [s for s in state if isinstance(s, optax_accum.AccumulateState)]
-  return found
 
 
 def _big_batch(inner, params, grads):

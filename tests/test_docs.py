@@ -115,7 +115,6 @@ data_parallel_micro_batches = [
 _MARKER = re.compile(
   r"<!--\s*docs-test:\s*(setup=(?P<setup>\w+)|skip:(?P<skip>.+?))\s*-->"
 )
-_LAYOUT_API = ("shard_map_specs", "add_device_axis", "drop_device_axis")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,15 +208,9 @@ def runner(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
-def test_readme_block_runs(block, runner, request):
+def test_readme_block_runs(block, runner):
   if block.skip:
     pytest.skip(block.skip)
-  if any(name in block.code for name in _LAYOUT_API) and not all(
-    hasattr(optax_accum, name) for name in _LAYOUT_API
-  ):
-    request.applymarker(
-      pytest.mark.xfail(strict=False, reason="needs layout API from main")
-    )
   readme = runner(block.path)
   # Earlier blocks first (when this test runs alone, e.g. with -k).
   for earlier in python_blocks(block.path):
