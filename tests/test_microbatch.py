@@ -479,3 +479,152 @@ def test_complex_gradients_keep_their_imaginary_part():
   assert split[1].dtype == jnp.complex64
   # The split loss is a mean of micro-batch sums: half the full sum.
   np.testing.assert_allclose(split[1], full[1] / 2, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# 8. Strict dtype promotion: every dtype is chosen explicitly, every
+#    operation is between operands of one dtype.
+# ---------------------------------------------------------------------------
+
+
+def _strict_loss(w, batch):
+  """Runs under strict promotion for real and complex `w` alike."""
+  err = batch["x"] @ w - batch["y"]
+  sq = jnp.real(err * jnp.conj(err))
+  mask = batch["mask"].astype(sq.dtype)
+  loss = jnp.sum(mask * sq) / jnp.sum(mask)
+  aux = {
+    "tokens": jnp.sum(batch["mask"] > 0),  # int: summed
+    "large": jnp.any(sq > 2),  # bool: or-ed
+  }
+  return loss, aux
+
+
+def _strict_inputs(dtype):
+  rng = np.random.default_rng(5)
+  batch = _batch()
+  w = rng.standard_normal((DIM,))
+  x = np.asarray(batch["x"])
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    w = w + 1j * rng.standard_normal((DIM,))
+    x = x * (1 - 0.5j)
+  batch = dict(batch, x=jnp.asarray(x, dtype), y=batch["y"].astype(dtype))
+  return jnp.asarray(w, dtype), batch
+
+
+# (dtype, accumulator_dtype, tolerance of the comparison with the unsplit
+# step, which computes everything in `dtype`).
+STRICT_CASES = [
+  (jnp.bfloat16, jnp.float32, {"rtol": 2e-2, "atol": 2e-2}),
+  (jnp.bfloat16, None, {"rtol": 2e-2, "atol": 2e-2}),
+  (jnp.float32, jnp.float32, TOL),
+  (jnp.complex64, jnp.float32, TOL),
+  (jnp.complex64, None, TOL),
+]
+
+
+@pytest.mark.parametrize("dtype, accumulator_dtype, tol", STRICT_CASES)
+def test_runs_under_strict_dtype_promotion(
+  maybe_jit, dtype, accumulator_dtype, tol
+):
+  w, batch = _strict_inputs(dtype)
+  value_and_grad = jax.value_and_grad(_strict_loss, has_aux=True)
+  grad_fn = optax_accum.microbatch(
+    value_and_grad, 4, weight_fn=_tokens, accumulator_dtype=accumulator_dtype
+  )
+  with jax.numpy_dtype_promotion("strict"):
+    out = maybe_jit(grad_fn)(w, batch)
+    expected = value_and_grad(w, batch)
+  _assert_trees_close(out, expected, **tol)
+  assert out[1].dtype == dtype
+
+
+@pytest.mark.parametrize(
+  "accumulator_dtype, expected",
+  [(jnp.float32, 0.06640625), (None, 0.0625)],
+)
+def test_bf16_accumulation_is_the_same_under_strict_promotion(
+  maybe_jit, accumulator_dtype, expected
+):
+  def loss_fn(w, batch):
+    return w * jnp.mean(batch)
+
+  batch = jnp.array([1.0] + [2.0**-8] * 15, jnp.bfloat16)
+  grad_fn = optax_accum.microbatch(
+    jax.value_and_grad(loss_fn), 16, accumulator_dtype=accumulator_dtype
+  )
+  with jax.numpy_dtype_promotion("strict"):
+    loss, grad = maybe_jit(grad_fn)(jnp.bfloat16(1.0), batch)
+  assert grad.dtype == jnp.bfloat16 and float(grad) == expected
+  assert loss.dtype == jnp.bfloat16 and float(loss) == 0.06640625
+
+
+def test_complex_accumulator_for_complex_gradients_is_accepted(maybe_jit):
+  w, batch = _strict_inputs(jnp.complex64)
+  value_and_grad = jax.value_and_grad(_strict_loss, has_aux=True)
+  grad_fn = optax_accum.microbatch(
+    value_and_grad, 4, weight_fn=_tokens, accumulator_dtype=jnp.complex64
+  )
+  _assert_trees_close(
+    maybe_jit(grad_fn)(w, batch), value_and_grad(w, batch), **TOL
+  )
+
+
+# ---------------------------------------------------------------------------
+# 9. Bad input at the edges: each error names the argument and the value.
+# ---------------------------------------------------------------------------
+
+
+def test_num_microbatches_beyond_int32_is_rejected_at_construction():
+  with pytest.raises(
+    ValueError,
+    match=r"`num_microbatches` must be at most 2147483647, got 2147483648",
+  ):
+    optax_accum.microbatch(jax.value_and_grad(_loss), 2**31)
+
+
+@pytest.mark.parametrize(
+  "weight, error, match",
+  [
+    (None, TypeError, r"`weight_fn` must return a real scalar.*got None"),
+    ("3", TypeError, r"`weight_fn` must return a real scalar.*got '3'"),
+    (1 + 2j, TypeError, r"`weight_fn` must return a real number.*complex64"),
+    (
+      jnp.ones(2),
+      ValueError,
+      r"`weight_fn` must return a scalar.*got shape \(2,\)",
+    ),
+  ],
+  ids=["None", "str", "complex", "vector"],
+)
+def test_bad_weight_fn_output_names_weight_fn(maybe_jit, weight, error, match):
+  grad_fn = optax_accum.microbatch(
+    jax.value_and_grad(_loss), 4, weight_fn=lambda micro: weight
+  )
+  with pytest.raises(error, match=match):
+    maybe_jit(grad_fn)(_params(), _batch())
+
+
+@pytest.mark.parametrize("weight", [True, 3, np.float64(2.5)])
+def test_bool_int_and_float_weights_are_accepted(maybe_jit, weight):
+  grad_fn = optax_accum.microbatch(
+    jax.value_and_grad(_loss), 4, weight_fn=lambda micro: weight
+  )
+  # Equal weights: the unweighted mean of the micro-batches.
+  expected = optax_accum.microbatch(jax.value_and_grad(_loss), 4)
+  params, batch = _params(), _full_batch()
+  _assert_trees_close(
+    maybe_jit(grad_fn)(params, batch), expected(params, batch), **TOL
+  )
+
+
+def test_complex_accumulator_for_real_gradients_is_rejected(maybe_jit):
+  grad_fn = optax_accum.microbatch(
+    jax.value_and_grad(_loss), 4, accumulator_dtype=jnp.complex64
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"`accumulator_dtype`=complex64 is complex but gradient leaf"
+    r" grads\['w1'\] is float32",
+  ):
+    maybe_jit(grad_fn)(_params(), _batch())
