@@ -1,4 +1,4 @@
-"""optax_accum.microbatch with a Flax NNX model, checked against the unsplit step.
+"""`optax_accum.microbatch` with a Flax NNX model, checked against unsplit.
 
 ``microbatch`` takes ``nnx.value_and_grad`` as it is and the model as
 argument 0, like ``nnx.value_and_grad`` itself:

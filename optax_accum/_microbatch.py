@@ -1,7 +1,8 @@
 """`microbatch`: exact, token-weighted micro-batching inside one step.
 
-Read top to bottom: the batch split, how each output leaf
-is reduced, then :func:`microbatch` itself.
+Read top to bottom: the batch split, dtypes, how each output leaf is reduced
+(one `_Reduction` record per kind), the scan, plain and NNX steps, then
+:func:`microbatch` itself.
 """
 
 import functools
@@ -496,6 +497,19 @@ def microbatch(
   all-padding micro-batch); if the total weight is not positive, the loss,
   gradients and floating ``aux`` leaves are zeros, not NaN.
 
+  Flax NNX: ``value_and_grad_fn`` may be ``nnx.value_and_grad(loss_fn)``
+  with the model as argument 0 (other arguments may hold NNX objects too,
+  e.g. an ``nnx.Rngs``); gradients come back as the ``nnx.State`` it
+  returns. The arguments are split once outside the scan and merged inside
+  it: ``nnx.Param`` values are the same at every micro-batch (changes to
+  them during the call are dropped), every other ``nnx.Variable`` (BatchNorm
+  statistics, RNG counts) is carried from one micro-batch to the next and
+  written back to the caller's objects, leaving them as :math:`n` calls one
+  after the other would. So a BatchNorm in training mode normalises with
+  each micro-batch's statistics and updates its running averages
+  :math:`n` times, and dropout masks drawn from the model's ``nnx.Rngs``
+  differ between micro-batches: neither equals the unsplit step.
+
   Dropout and other randomness: put the keys in the batch, one per example,
   e.g. ``batch["rng"] = jax.random.split(key, B)``, so that every
   micro-batch receives the keys of its own rows. Drawing each example's mask
@@ -510,11 +524,14 @@ def microbatch(
     num_microbatches: :math:`n`, a positive int that divides the batch size.
       Peak activation memory scales with :math:`B / n`.
     weight_fn: ``weight_fn(micro_batch) -> scalar``, the weight
-      :math:`w_i` of a micro-batch, e.g. its number of real tokens
+      :math:`w_i` of a micro-batch (a real number: bool, integer or
+      floating, used as float32), e.g. its number of real tokens
       ``lambda b: b["mask"].sum()``. ``None`` weighs micro-batches equally.
     accumulator_dtype: The dtype in which gradients are summed (float32 by
       default, so bf16 gradients do not lose precision); ``None`` keeps each
-      gradient leaf's dtype.
+      gradient leaf's dtype. Complex gradient leaves are summed in the
+      complex dtype of its precision (complex64 for float32); a complex
+      ``accumulator_dtype`` is for complex gradients only.
 
   Returns:
     ``grad_fn(params, batch, *args, **kwargs)``, returning what
@@ -525,12 +542,15 @@ def microbatch(
 
   Raises:
     TypeError, ValueError: At construction, for a ``num_microbatches`` that
-      is not an int (float, bool, str, None) or is below 1, a non-callable
-      ``value_and_grad_fn`` or ``weight_fn``, or a bad
-      ``accumulator_dtype``. At trace time, for a batch with no leaves,
+      is not an int (float, bool, str, None), is below 1 or above the int32
+      range, a non-callable ``value_and_grad_fn`` or ``weight_fn``, or a
+      bad ``accumulator_dtype``. At trace time, for a batch with no leaves,
       scalar leaves, leaves of different leading sizes or a size not
-      divisible by ``num_microbatches``, a non-scalar weight, or an output
-      that does not look like ``jax.value_and_grad``'s.
+      divisible by ``num_microbatches``, a weight that is not a real scalar
+      (``None``, a string, complex, an array), a complex
+      ``accumulator_dtype`` for a real gradient leaf, an output that does
+      not look like ``jax.value_and_grad``'s, or NNX arguments whose
+      variables ``value_and_grad_fn`` adds or removes.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax_accum

@@ -6,11 +6,15 @@ float32 ulps of values of order 1); they are exact where the arithmetic is
 the same on both sides (one micro-batch, power-of-two exact values).
 """
 
+import importlib.util
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -628,3 +632,106 @@ def test_complex_accumulator_for_real_gradients_is_rejected(maybe_jit):
     r" grads\['w1'\] is float32",
   ):
     maybe_jit(grad_fn)(_params(), _batch())
+
+
+# ---------------------------------------------------------------------------
+# 10. Flax NNX: the model as argument 0, as `nnx.value_and_grad` takes it.
+# ---------------------------------------------------------------------------
+
+NNX_MODES = {"nojit": lambda f: f, "nnx.jit": nnx.jit}
+
+
+@pytest.fixture(params=list(NNX_MODES), ids=list(NNX_MODES))
+def maybe_nnx_jit(request):
+  return NNX_MODES[request.param]
+
+
+class _Net(nnx.Module):
+  """Linear -> BatchNorm -> Dropout -> Linear: state that changes per call."""
+
+  def __init__(self, rngs, *, stateful):
+    self.hidden = nnx.Linear(DIM, HIDDEN, rngs=rngs)
+    self.norm = nnx.BatchNorm(HIDDEN, rngs=rngs) if stateful else None
+    self.drop = nnx.Dropout(0.5, rngs=rngs) if stateful else None
+    self.out = nnx.Linear(HIDDEN, 1, rngs=rngs)
+
+  def __call__(self, x):
+    h = jnp.tanh(self.hidden(x))
+    if self.norm is not None:
+      h = self.drop(self.norm(h))
+    return self.out(h)[..., 0]
+
+
+def _nnx_loss(model, batch):
+  err = model(batch["x"]) - batch["y"]
+  return jnp.sum(batch["mask"] * err**2) / jnp.sum(batch["mask"])
+
+
+def _nnx_noisy_loss(model, batch, rngs):
+  """Also draws from `rngs`, an extra argument: its count must advance."""
+  noise = jax.random.normal(rngs.noise(), batch["y"].shape)
+  return _nnx_loss(model, dict(batch, y=batch["y"] + noise))
+
+
+def test_nnx_model_gives_the_unsplit_gradient_as_an_nnx_state(maybe_nnx_jit):
+  model, batch = _Net(nnx.Rngs(0), stateful=False), _batch()
+  value_and_grad = nnx.value_and_grad(_nnx_loss)
+  grad_fn = optax_accum.microbatch(value_and_grad, 8, weight_fn=_tokens)
+  loss, grads = maybe_nnx_jit(grad_fn)(model, batch)
+  expected_loss, expected_grads = value_and_grad(model, batch)
+  assert type(grads) is type(expected_grads)  # nnx.State
+  _assert_trees_close((loss, grads), (expected_loss, expected_grads), **TOL)
+
+
+def test_nnx_state_is_carried_as_in_calls_one_after_the_other(maybe_nnx_jit):
+  """BatchNorm statistics, Dropout's and an argument's RNG counts."""
+  n, batch = 4, _full_batch()
+  models = [_Net(nnx.Rngs(0), stateful=True) for _ in range(2)]
+  rngs = [nnx.Rngs(noise=7) for _ in range(2)]
+  value_and_grad = nnx.value_and_grad(_nnx_noisy_loss)
+  grad_fn = maybe_nnx_jit(optax_accum.microbatch(value_and_grad, n))
+  loss, grads = grad_fn(models[0], batch, rngs[0])
+  # Micro-batch i holds rows i, i + n, ...; equal weights.
+  micro_batches = [
+    jax.tree.map(lambda x, i=i: x[i::n], batch) for i in range(n)
+  ]
+  outs = [value_and_grad(models[1], micro, rngs[1]) for micro in micro_batches]
+  expected = jax.tree.map(lambda *xs: sum(xs) / n, *outs)
+  _assert_trees_close((loss, grads), expected, **TOL)
+  for kind in (nnx.BatchStat, nnx.RngCount):
+    states = [nnx.state(model, kind) for model in models]
+    assert jax.tree.leaves(states[0])
+    _assert_trees_close(*states, **TOL)
+  assert int(rngs[0].noise.count[...]) == int(rngs[1].noise.count[...]) == n
+
+
+def test_nnx_variable_added_during_the_call_is_rejected(maybe_nnx_jit):
+  def loss_fn(model, batch):
+    if not hasattr(model, "calls"):
+      model.calls = nnx.BatchStat(jnp.zeros(()))
+    return _nnx_loss(model, batch)
+
+  grad_fn = optax_accum.microbatch(nnx.value_and_grad(loss_fn), 4)
+  with pytest.raises(ValueError, match="`value_and_grad_fn` added or removed"):
+    maybe_nnx_jit(grad_fn)(_Net(nnx.Rngs(0), stateful=False), _batch())
+
+
+def _load_example(name):
+  path = pathlib.Path(__file__).resolve().parent.parent / "examples"
+  spec = importlib.util.spec_from_file_location(name, path / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_nnx_example_checks_itself_and_fails_without_weights(capsys):
+  example = _load_example("nnx_microbatch")
+  assert example.main(["--steps", "2"]) == 0
+  assert "(ok," in capsys.readouterr().out
+  # Equal weights on ragged rows are not the token mean: its check fails.
+  assert example.main(["--steps", "1", "--no-weight-fn"]) == 1
+  assert "MISMATCH" in capsys.readouterr().out
+  with pytest.raises(SystemExit) as exit_info:
+    example.main(["--help"])
+  assert exit_info.value.code == 0
+  assert "--num-microbatches" in capsys.readouterr().out
