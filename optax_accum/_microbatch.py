@@ -1,8 +1,8 @@
 """`microbatch`: exact, token-weighted micro-batching inside one step.
 
-Read top to bottom: the batch split, dtypes, how each output leaf is reduced
-(one `_Reduction` record per kind), the scan, plain and NNX steps, then
-:func:`microbatch` itself.
+Read top to bottom: the batch split, the weight, how each output leaf is
+reduced (one `_Reduction` record per kind), the scan, plain and NNX steps,
+then :func:`microbatch` itself.
 """
 
 import functools
@@ -84,40 +84,12 @@ def _micro_batch(split: Any, index: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------
-# Dtypes, chosen explicitly: `jnp.promote_types` raises under
-# `jax_numpy_dtype_promotion="strict"` (bfloat16 with float32), and every
-# operation below is between operands of one dtype (or a Python scalar).
+# The weight of a micro-batch. Dtypes throughout are chosen explicitly
+# (`_weighting.compute_dtype`, `_checks.leaf_accumulator_dtype`), never by
+# `jnp.promote_types`, which raises under
+# `jax_numpy_dtype_promotion="strict"` for bfloat16 with float32; every
+# operation is between operands of one dtype (or a Python scalar).
 # ----------------------------------------------------------------------------
-
-
-def _at_least_float32(dtype: Any) -> Any:
-  """float16 / bfloat16 / float32 -> float32; float64 and complex kept."""
-  dtype = jnp.dtype(dtype)
-  if jnp.issubdtype(dtype, jnp.complexfloating) or dtype.itemsize >= 8:
-    return dtype
-  return jnp.dtype(jnp.float32)
-
-
-def _gradient_accumulator_dtype(
-  accumulator_dtype: Any, dtype: Any, name: str
-) -> Any:
-  """The dtype in which gradient leaf `name` (of `dtype`) is summed."""
-  if accumulator_dtype is None:
-    return dtype
-  if jnp.issubdtype(accumulator_dtype, jnp.complexfloating):
-    if not jnp.issubdtype(dtype, jnp.complexfloating):
-      raise ValueError(
-        f"`accumulator_dtype`={accumulator_dtype} is complex but gradient"
-        f" leaf {name} is {dtype}: pass a real dtype such as float32"
-        " (complex gradient leaves are then summed in complex64, real ones"
-        " in float32)."
-      )
-    return accumulator_dtype
-  if jnp.issubdtype(dtype, jnp.complexfloating):
-    # Never drop an imaginary part: complex at the accumulator's precision.
-    wide = accumulator_dtype == jnp.float64
-    return jnp.dtype(jnp.complex128 if wide else jnp.complex64)
-  return accumulator_dtype
 
 
 def _weight(raw: Any) -> jax.Array:
@@ -198,14 +170,14 @@ def _not_carried(shape: jax.ShapeDtypeStruct, dtype: Any) -> None:
 
 
 def _add_weighted(acc: jax.Array, value: Any, weight: Any) -> tuple:
-  compute = _at_least_float32(acc.dtype)
+  compute = _weighting.compute_dtype(acc.dtype)
   term = _weighting.weighted_term(value, weight, compute)
   return (acc.astype(compute) + term).astype(acc.dtype), None
 
 
 def _weighted_mean(acc: jax.Array, emitted: Any, shape: Any, total: _Total):
   del emitted
-  compute = _at_least_float32(acc.dtype)
+  compute = _weighting.compute_dtype(acc.dtype)
   acc = acc.astype(compute)
   if total.weighted:
     mean = jnp.where(total.positive, acc / total.safe_weight.astype(compute), 0)
@@ -268,14 +240,18 @@ def _plan(out_shape: Any, accumulator_dtype: Any) -> list[_Leaf]:
   """
   plan = []
   for shape in jax.tree.leaves(out_shape[0]):
-    reduction = _reduction(shape.dtype)
-    dtype = _at_least_float32(shape.dtype) if reduction is _MEAN else None
-    plan.append(_Leaf(reduction, dtype or shape.dtype, shape))
+    reduction, dtype = _reduction(shape.dtype), shape.dtype
+    if reduction is _MEAN:
+      dtype = _weighting.compute_dtype(dtype)
+    plan.append(_Leaf(reduction, dtype, shape))
   for path, shape in jax.tree_util.tree_flatten_with_path(out_shape[1])[0]:
     reduction, dtype = _reduction(shape.dtype), shape.dtype
     if reduction is _MEAN:
-      name = "grads" + jax.tree_util.keystr(path)
-      dtype = _gradient_accumulator_dtype(accumulator_dtype, dtype, name)
+      try:
+        dtype = _checks.leaf_accumulator_dtype(accumulator_dtype, dtype)
+      except ValueError as e:
+        name = "grads" + jax.tree_util.keystr(path)
+        raise ValueError(f"{e} The leaf: {name}.") from e
     plan.append(_Leaf(reduction, dtype, shape))
   return plan
 

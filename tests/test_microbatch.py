@@ -628,8 +628,8 @@ def test_complex_accumulator_for_real_gradients_is_rejected(maybe_jit):
   )
   with pytest.raises(
     ValueError,
-    match=r"`accumulator_dtype`=complex64 is complex but gradient leaf"
-    r" grads\['w1'\] is float32",
+    match=r"`accumulator_dtype` is complex \(complex64\) but a gradient"
+    r" leaf is real \(float32\).* The leaf: grads\['w1'\]",
   ):
     maybe_jit(grad_fn)(_params(), _batch())
 
