@@ -34,23 +34,70 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _checks, _noise_scale, _vma, _weighting
+from optax_accum import _checks, _every_k, _noise_scale, _vma, _weighting
 from optax_accum._state import AccumulateState
 
-EveryK = int | Callable[[jax.Array], Any]
+EveryK = int | Callable[..., Any] | _every_k.GrowEveryK
 
 _REDUCTIONS = ("mean", "sum")
-_INT32_MAX = int(np.iinfo(np.int32).max)
-# The largest float32 below 2**31: a float k at or above it holds the cycle.
-_FLOAT32_BELOW_INT32_MAX = float(np.nextafter(np.float32(2**31), 0))
+
+
+class InnerForEveryK(NamedTuple):
+  """An inner transformation built for each cycle's k; see
+  :func:`inner_for_every_k`."""
+
+  factory: Callable[[jax.Array], optax.GradientTransformation]
+
+
+def inner_for_every_k(
+  factory: Callable[[jax.Array], optax.GradientTransformation],
+) -> InnerForEveryK:
+  r"""Makes the inner optimizer a function of the cycle's number of micro-batches.
+
+  When ``every_k`` grows during training (a schedule or
+  :func:`grow_every_k`) the batch grows with it, and the learning rate
+  usually should too: OLMo-core multiplies Adam's by
+  :math:`\sqrt{k / k_0}`. Pass ``inner=inner_for_every_k(factory)`` to
+  :func:`accumulate`: each emitting call runs ``factory(k)``, with ``k`` the
+  cycle's ``every_k`` as an ``int32[]``, and ``init`` uses ``factory`` of
+  the first cycle's k. The state's structure must not depend on k (true
+  when k only enters hyperparameters such as the learning rate).
+
+  Args:
+    factory: ``factory(k) -> optax.GradientTransformation``.
+
+  Returns:
+    A value to pass as ``inner``.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(
+    ...     optax_accum.inner_for_every_k(
+    ...         lambda k: optax.sgd(0.1 * jnp.sqrt(k / 2))),
+    ...     every_k=lambda step: 2 * (step + 1))  # k = 2, 4, 6, ...
+    >>> params = jnp.zeros(1)
+    >>> state = tx.init(params)
+    >>> for k in (2, 4):
+    ...   for _ in range(k):
+    ...     updates, state = tx.update(jnp.ones(1), state, params)
+    ...   print(k, updates)
+    2 [-0.1]
+    4 [-0.14142136]
+  """
+  if not callable(factory):
+    raise TypeError(
+      "`factory` must be callable as factory(k) -> GradientTransformation,"
+      f" got {factory!r}."
+    )
+  return InnerForEveryK(factory)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
   """The validated arguments of :func:`accumulate`."""
 
-  inner: optax.GradientTransformationExtraArgs
-  every_k: EveryK
+  inner: Callable[[Any], optax.GradientTransformationExtraArgs]  # k -> inner
+  every_k: _every_k.Spec
   reduction: str
   accumulator_dtype: Any
   skip_nonfinite: bool
@@ -64,7 +111,7 @@ class _Config:
 # ----------------------------------------------------------------------------
 
 
-def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
+def _as_transformation(inner: Any) -> optax.GradientTransformationExtraArgs:
   """`inner` with extra-args support; raises naming `inner` otherwise."""
   if not isinstance(inner, optax.GradientTransformation):
     init, update = (getattr(inner, name, None) for name in ("init", "update"))
@@ -82,54 +129,12 @@ def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
   return optax.with_extra_args_support(inner)
 
 
-def _schedule_value(value: Any) -> jax.Array:
-  """A schedule's value as an int32[] cycle length >= 1; raises naming it.
-
-  Values are rounded down and values below 1 count as 1. A NaN or a value
-  too large for int32 holds the cycle open (no update until ``flush``) when
-  it is only known at run time; a concrete NaN raises.
-  """
-  if value is None or isinstance(value, str | bytes):
-    raise TypeError(
-      "`every_k` schedule must return a number (the cycle length), got"
-      f" {value!r}."
-    )
-  k = jnp.asarray(value)
-  if k.ndim != 0:
-    raise ValueError(
-      "`every_k` schedule must return a scalar, got a value of shape"
-      f" {k.shape}."
-    )
-  if not (
-    jnp.issubdtype(k.dtype, jnp.integer)
-    or jnp.issubdtype(k.dtype, jnp.floating)
-  ):
-    raise TypeError(
-      "`every_k` schedule must return an integer or a real number, got a"
-      f" value of dtype {k.dtype}."
-    )
-  if jnp.issubdtype(k.dtype, jnp.integer):
-    return jnp.minimum(jnp.maximum(k, 1), _INT32_MAX).astype(jnp.int32)
-  if not isinstance(k, jax.core.Tracer) and np.isnan(np.asarray(k)):
-    raise ValueError("`every_k` schedule returned NaN.")
-  k = jnp.floor(k.astype(jnp.float32))
-  k = jnp.where(jnp.isnan(k), jnp.inf, k)
-  return jnp.clip(k, 1, _FLOAT32_BELOW_INT32_MAX).astype(jnp.int32)
-
-
-def _check_every_k(every_k: Any) -> EveryK:
-  """Returns a Python int in [1, 2**31 - 1] or the schedule."""
-  if callable(every_k) and not isinstance(every_k, jax.Array):
-    _schedule_value(every_k(jnp.zeros([], jnp.int32)))  # fail early
-    return every_k
-  k = _checks.positive_int(
-    every_k, "every_k", " or a schedule (callable(step) -> int)"
-  )
-  if k > _INT32_MAX:
-    raise ValueError(
-      f"`every_k` must be at most 2**31 - 1 (it is counted in int32), got {k}."
-    )
-  return k
+def _check_inner(inner: Any) -> Callable[[Any], Any]:
+  """`k -> inner transformation`; checks a fixed inner at once."""
+  if isinstance(inner, InnerForEveryK):
+    return lambda k: _as_transformation(inner.factory(k))
+  inner = _as_transformation(inner)
+  return lambda k: inner
 
 
 def _check_options(reduction: Any, axis_name: Any) -> None:
@@ -328,11 +333,6 @@ def _add(
   return acc, total_weight
 
 
-def _cycle_length(every_k: EveryK, step: jax.Array) -> Any:
-  """k for the current cycle: the int, or the schedule at `step`."""
-  return _schedule_value(every_k(step)) if callable(every_k) else every_k
-
-
 def _enters_emitting_branch(
   cycle_end: jax.Array,
   micro_step: jax.Array,
@@ -375,6 +375,7 @@ def _holds_exactly(wide: Any, narrow: Any) -> bool:
 
 def _plan(
   config: _Config,
+  inner: optax.GradientTransformationExtraArgs,
   extra_args: dict,
   grads: Any,
   acc: Any,
@@ -385,7 +386,7 @@ def _plan(
     lambda g: jax.ShapeDtypeStruct(jnp.shape(g), jnp.result_type(g)), grads
   )
   update_types, inner_state_types = jax.eval_shape(
-    lambda g, s, p: config.inner.update(g, s, p, **extra_args),
+    lambda g, s, p: inner.update(g, s, p, **extra_args),
     grad_types,
     inner_state,
     params,
@@ -480,10 +481,8 @@ def _all_reduce(acc, total_weight, noise, axis_name):
   return acc, total_weight, noise
 
 
-def _run_inner(config, extra_args, grad, inner_state, params):
-  updates, inner_state = config.inner.update(
-    grad, inner_state, params, **extra_args
-  )
+def _run_inner(inner, extra_args, grad, inner_state, params):
+  updates, inner_state = inner.update(grad, inner_state, params, **extra_args)
   return updates, inner_state, jnp.asarray(True)
 
 
@@ -496,8 +495,11 @@ def _skip_inner(plan, grad, inner_state, params):
   )
 
 
-def _emit(config, plan, extra_args, acc, weight, noise, mean_sq, inner, params):
-  """The emitting branch: the (reduced) mean gradient through `inner`."""
+def _emit(
+  config, tx, plan, extra_args, acc, weight, noise, mean_sq, inner, params
+):
+  """The emitting branch: the (reduced) mean gradient through `tx`, the
+  inner transformation, whose state is `inner`."""
   if config.axis_name is not None:
     acc, weight, noise = _all_reduce(acc, weight, noise, config.axis_name)
   inv_weight = _inverse_weight(weight)
@@ -508,7 +510,7 @@ def _emit(config, plan, extra_args, acc, weight, noise, mean_sq, inner, params):
     noise = _noise_scale.fold_cycle(
       noise, mean_sq, weight, config.noise_scale_decay
     )
-  run = functools.partial(_run_inner, config, extra_args)
+  run = functools.partial(_run_inner, tx, extra_args)
   if config.axis_name is None:
     updates, inner, emitted = run(grad, inner, params)
   else:
@@ -543,13 +545,16 @@ def _split_buffer(out: Any, acc: Any, emitted: jax.Array, plan: _Plan):
   return updates, out
 
 
-def _inner_alone(config, grads, state, params, extra_args):
+def _inner_alone(inner, grads, state, params, extra_args):
   """k = 1 without weights, flush, skips or axis: bit for bit `inner`."""
-  updates, inner_state = config.inner.update(
+  updates, inner_state = inner.update(
     grads, state.inner_state, params, **extra_args
   )
   return updates, state._replace(
     step=optax.safe_increment(state.step),
+    weight_seen=_every_k.add_weight_seen(
+      state.weight_seen, jnp.ones([], jnp.float32)
+    ),
     inner_state=inner_state,
     emitted=jnp.asarray(True),
   )
@@ -557,12 +562,39 @@ def _inner_alone(config, grads, state, params, extra_args):
 
 def _passes_through(config: _Config, weight: Any, flush: Any) -> bool:
   return (
-    config.every_k == 1
+    config.every_k.fixed == 1
     and weight is None
     and flush is False
     and not config.skip_nonfinite
     and config.axis_name is None
   )
+
+
+def _next_cycle(
+  config, state, cycle_end, emitted, step, micro_step, cycle_weight, noise
+):
+  """What the state carries into the next cycle: the weight seen, k and the
+  controller's state, all changed only when this call ended a cycle."""
+  weight_seen = jnp.where(
+    emitted,
+    _every_k.add_weight_seen(state.weight_seen, cycle_weight),
+    state.weight_seen,
+  )
+  k, grow = _every_k.next_k(
+    config.every_k,
+    state.every_k,
+    state.grow,
+    step=step,
+    weight_seen=weight_seen,
+    noise=noise,
+    cycle_weight=cycle_weight,
+    cycle_micro_batches=micro_step,
+    emitted=emitted,
+    decay=config.noise_scale_decay,
+  )
+  k = jnp.where(cycle_end, k, state.every_k)
+  grow = jax.tree.map(lambda n, o: jnp.where(cycle_end, n, o), grow, state.grow)
+  return weight_seen, k, grow
 
 
 def _update(
@@ -577,8 +609,9 @@ def _update(
 ) -> tuple[optax.Updates, AccumulateState]:
   _check_state(state, config.track_noise_scale)
   _check_grads_match(updates, state.acc_grads)
+  inner = config.inner(state.every_k)
   if _passes_through(config, weight, flush):
-    return _inner_alone(config, updates, state, params, extra_args)
+    return _inner_alone(inner, updates, state, params, extra_args)
 
   micro = _accept(config, updates, weight, flush)
   fresh = state.micro_step == 0
@@ -592,21 +625,21 @@ def _update(
       noise, updates, micro.weight, micro.accepted, fresh
     )
 
-  cycle_end = (micro_step >= _cycle_length(config.every_k, state.step)) | (
-    micro.flush
-  )
+  cycle_end = (micro_step >= state.every_k) | micro.flush
   enter = _enters_emitting_branch(
     cycle_end, micro_step, total_weight, config.axis_name
   )
 
-  plan = _plan(config, extra_args, updates, acc, state.inner_state, params)
+  plan = _plan(
+    config, inner, extra_args, updates, acc, state.inner_state, params
+  )
   mean_sq = None
   if noise is not None and config.axis_name is None:
     mean_sq = _local_mean_sq_norm(enter, acc, total_weight)
   cond = lax.cond if config.axis_name is None else _vma.cond
   out, total_weight, noise, inner_state, emitted = cond(
     enter,
-    functools.partial(_emit, config, plan, extra_args),
+    functools.partial(_emit, config, inner, plan, extra_args),
     functools.partial(_hold, plan),
     acc,
     total_weight,
@@ -617,11 +650,17 @@ def _update(
   )
   new_updates, acc = _split_buffer(out, acc, emitted, plan)
 
+  step = jnp.where(emitted, optax.safe_increment(state.step), state.step)
+  weight_seen, every_k, grow = _next_cycle(
+    config, state, cycle_end, emitted, step, micro_step, total_weight, noise
+  )
   return new_updates, AccumulateState(
     micro_step=jnp.where(cycle_end, 0, micro_step),
-    step=jnp.where(emitted, optax.safe_increment(state.step), state.step),
+    step=step,
+    every_k=every_k,
     acc_grads=acc,
     acc_weight=total_weight,
+    weight_seen=weight_seen,
     inner_state=inner_state,
     num_skipped=jnp.where(
       micro.accepted,
@@ -630,6 +669,7 @@ def _update(
     ),
     emitted=emitted,
     noise=noise,
+    grow=grow,
   )
 
 
@@ -637,17 +677,21 @@ def _init(config: _Config, params: optax.Params) -> AccumulateState:
   zeros = functools.partial(
     _zeros_like_param, accumulator_dtype=config.accumulator_dtype
   )
+  every_k = _every_k.first(config.every_k)
   # Separate calls: every leaf is its own buffer, so the whole state can be
   # donated to jit.
   return AccumulateState(
     micro_step=jnp.zeros([], jnp.int32),
     step=jnp.zeros([], jnp.int32),
+    every_k=every_k,
     acc_grads=jax.tree.map(zeros, _gradient_params(params)),
     acc_weight=jnp.zeros([], jnp.float32),
-    inner_state=config.inner.init(params),
+    weight_seen=jnp.zeros([2], jnp.float32),
+    inner_state=config.inner(every_k).init(params),
     num_skipped=jnp.zeros([], jnp.int32),
     emitted=jnp.zeros([], jnp.bool_),
     noise=_noise_scale.init() if config.track_noise_scale else None,
+    grow=_every_k.init_grow(config.every_k),
   )
 
 
@@ -770,14 +814,15 @@ def accumulate(
     [-3.25 -6.5 ]
   """
   _check_options(reduction, axis_name)
+  track_noise_scale = _checks.boolean(track_noise_scale, "track_noise_scale")
   config = _Config(
     inner=_check_inner(inner),
-    every_k=_check_every_k(every_k),
+    every_k=_every_k.check(every_k, track_noise_scale),
     reduction=reduction,
     accumulator_dtype=_checks.accumulator_dtype(accumulator_dtype),
     skip_nonfinite=_checks.boolean(skip_nonfinite, "skip_nonfinite"),
     axis_name=axis_name,
-    track_noise_scale=_checks.boolean(track_noise_scale, "track_noise_scale"),
+    track_noise_scale=track_noise_scale,
     noise_scale_decay=_noise_scale.check_decay(noise_scale_decay),
   )
   return optax.GradientTransformationExtraArgs(

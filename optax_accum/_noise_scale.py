@@ -145,11 +145,17 @@ def noise_scale_components(
       ``track_noise_scale=True``, or for a decay outside [0, 1).
   """
   decay = check_decay(noise_scale_decay)
-  noise = _tracked(opt_state, "noise_scale_components")
+  return bias_corrected(_tracked(opt_state, "noise_scale_components"), decay)
+
+
+def bias_corrected(
+  noise: NoiseScaleState, decay: float
+) -> tuple[jax.Array, jax.Array]:
+  """``(grad_sq, trace)`` divided by :math:`1 - \\text{decay}^n`; NaN at n=0."""
   # jnp.asarray unwraps array-like leaves too, such as the OptArray leaves
   # of a flax.nnx.Optimizer's opt_state.
   cycles = jnp.asarray(noise.cycles)
-  correction = 1 - jnp.asarray(decay, jnp.float32) ** cycles
+  correction = 1 - jnp.asarray(decay, jnp.float32) ** cycles.astype(jnp.float32)
   ready = cycles > 0
   correction = jnp.where(ready, correction, 1.0)
   grad_sq = jnp.where(ready, jnp.asarray(noise.grad_sq) / correction, jnp.nan)

@@ -37,6 +37,18 @@ class NoiseScaleState(NamedTuple):
   cycles: jax.Array  # int32[]
 
 
+class GrowState(NamedTuple):
+  """The state of the controller :func:`optax_accum.grow_every_k`.
+
+  Attributes:
+    changed_at: ``int32[]``. The noise-scale cycle count
+      (:attr:`NoiseScaleState.cycles`) when k last changed; the controller
+      waits for ``min_cycles`` more before it decides again.
+  """
+
+  changed_at: jax.Array  # int32[]
+
+
 class AccumulateState(NamedTuple):
   """State of :func:`optax_accum.accumulate`.
 
@@ -49,6 +61,9 @@ class AccumulateState(NamedTuple):
       (skipped ones excluded); ``0`` right after an update was emitted.
     step: ``int32[]``. Updates emitted so far: the optimizer step. A schedule
       passed as ``every_k`` is called with this value.
+    every_k: ``int32[]``. The number of micro-batches the current cycle
+      wants; decided when the previous cycle ended, so it never changes
+      mid-cycle (read it with :func:`current_every_k`).
     acc_grads: The accumulator, a tree like the params with leaves in
       ``accumulator_dtype``: :math:`\\sum_i w_i g_i` over the micro-batches
       of the current cycle. When ``micro_step == 0`` it holds no gradient:
@@ -59,6 +74,11 @@ class AccumulateState(NamedTuple):
       accumulated in the current cycle (with the default weight of 1, the
       number of micro-batches). Reset lazily like ``acc_grads``: when
       ``micro_step == 0`` it still holds the last cycle's total.
+    weight_seen: ``float32[2]``. The total weight of the cycles that ended
+      with an update over the whole run (tokens or examples, the unit of
+      ``weight``), as a compensated sum ``[total, -rounding error]`` so that
+      small cycles still count after billions (read it with
+      :func:`weight_seen`).
     inner_state: The wrapped transformation's state; changes only on
       emitting calls (read it with :func:`inner_state`).
     num_skipped: ``int32[]``. Micro-batches dropped by ``skip_nonfinite``
@@ -67,16 +87,21 @@ class AccumulateState(NamedTuple):
       update (read it with :func:`has_updated`).
     noise: A :class:`NoiseScaleState` with ``track_noise_scale=True``,
       else ``None``.
+    grow: A :class:`GrowState` with ``every_k=grow_every_k(...)``, else
+      ``None``.
   """
 
   micro_step: jax.Array  # int32[]
   step: jax.Array  # int32[]
+  every_k: jax.Array  # int32[]
   acc_grads: optax.Updates
   acc_weight: jax.Array  # float32[]
+  weight_seen: jax.Array  # float32[2]
   inner_state: optax.OptState
   num_skipped: jax.Array  # int32[]
   emitted: jax.Array  # bool[]
   noise: NoiseScaleState | None
+  grow: GrowState | None
 
 
 # The fields that hold one device's own, unreduced sums during a cycle when
@@ -85,6 +110,7 @@ class AccumulateState(NamedTuple):
 DEVICE_LOCAL_FIELDS = {
   AccumulateState: ("acc_grads", "acc_weight"),
   NoiseScaleState: ("sq_norm_sum", "count"),
+  GrowState: (),
 }
 
 
@@ -189,3 +215,47 @@ def inner_state(opt_state: optax.OptState) -> optax.OptState:
     [0. 0.]
   """
   return find_state(opt_state, "inner_state").inner_state
+
+
+def current_every_k(opt_state: optax.OptState) -> jax.Array:
+  """How many micro-batches the current cycle wants in all.
+
+  A data loader can ask it at the start of each cycle (``micro_step == 0``)
+  to know how many micro-batches to draw; it changes only between cycles.
+
+  Args:
+    opt_state: An optimizer state holding exactly one
+      :class:`AccumulateState` (see :func:`has_updated`).
+
+  Returns:
+    An ``int32[]``.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(
+    ...     optax.sgd(0.1), optax_accum.piecewise_every_k({3: 2}))
+    >>> params = jnp.zeros(2)
+    >>> state = tx.init(params)
+    >>> for _ in range(5):  # weight 1 per micro-batch
+    ...   print(int(optax_accum.current_every_k(state)), end=" ")
+    ...   _, state = tx.update(jnp.ones(2), state, params)
+    1 1 1 2 2
+  """
+  return jnp.asarray(find_state(opt_state, "current_every_k").every_k)
+
+
+def weight_seen(opt_state: optax.OptState) -> jax.Array:
+  """The total weight of the cycles that ended with an update, over the run.
+
+  With ``weight=`` the number of tokens of each micro-batch, the number of
+  tokens trained on; with the default weight, the number of micro-batches.
+
+  Args:
+    opt_state: An optimizer state holding exactly one
+      :class:`AccumulateState` (see :func:`has_updated`).
+
+  Returns:
+    A ``float32[]``.
+  """
+  seen = jnp.asarray(find_state(opt_state, "weight_seen").weight_seen)
+  return seen[..., 0] - seen[..., 1]

@@ -169,10 +169,11 @@ def _nan_after_first_step(step):
 
 
 def test_schedule_nan_raises_when_concrete():
+  """The next cycle's k is decided when a cycle ends: the call ending the
+  first cycle (k = 2 at step 0) finds NaN at step 1 and raises."""
   tx = optax_accum.accumulate(_identity(), _nan_after_first_step)
   state, params = tx.init(jnp.zeros(2)), jnp.zeros(2)
-  for _ in range(2):  # k = 2 at step 0: one update
-    _, state = tx.update(jnp.ones(2), state, params)
+  _, state = tx.update(jnp.ones(2), state, params)
   with pytest.raises(ValueError, match="`every_k` schedule returned NaN"):
     tx.update(jnp.ones(2), state, params)
 
