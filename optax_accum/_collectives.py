@@ -159,8 +159,9 @@ def format_collectives(records: list[Collective]) -> str:
   ]
   widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
   return "\n".join(
-    "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
-    .rstrip()
+    "  ".join(
+      cell.ljust(w) for cell, w in zip(row, widths, strict=True)
+    ).rstrip()
     for row in (header, *rows)
   )
 
@@ -226,9 +227,7 @@ def assert_reduction_deferred(
   offending = [
     c
     for c in records
-    if c.opcode in REDUCTION_OPCODES
-    and c.bytes >= min_bytes
-    and not c.emitting
+    if c.opcode in REDUCTION_OPCODES and c.bytes >= min_bytes and not c.emitting
   ]
   if offending:
     raise AssertionError(
@@ -240,4 +239,3 @@ def assert_reduction_deferred(
       + format_collectives(records)
     )
   return records
-

@@ -184,7 +184,9 @@ def test_a_plain_function_is_jitted():
 @pytest.mark.parametrize("min_bytes", ["1024", 1.5, True])
 def test_min_bytes_must_be_an_int(min_bytes):
   with pytest.raises(TypeError, match="`min_bytes`.*" + repr(min_bytes)):
-    assert_reduction_deferred("ENTRY %e () -> f32[] {\n}\n", min_bytes=min_bytes)
+    assert_reduction_deferred(
+      "ENTRY %e () -> f32[] {\n}\n", min_bytes=min_bytes
+    )
 
 
 def test_lowered_step_takes_no_arguments():
@@ -316,5 +318,7 @@ def test_the_three_recipes_reach_the_same_params():
         params = optax.apply_updates(params, first)
     finals.append(params)
   for other in finals[1:]:
-    for a, b in zip(jax.tree.leaves(finals[0]), jax.tree.leaves(other)):
+    for a, b in zip(
+      jax.tree.leaves(finals[0]), jax.tree.leaves(other), strict=True
+    ):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
