@@ -628,8 +628,10 @@ def figure(payload: dict[str, Any]) -> Any:
   ]
   shown = ("accumulate", "accumulate+noise", "MultiSteps", "apply_every")
   colors = dict(zip(shown, ("C0", "C1", "C3", "C2"), strict=True))
-  # Distinct markers: equal values (e.g. the same extra memory) stay visible.
+  # Distinct markers and a small horizontal offset per variant: equal values
+  # (accumulate and accumulate+noise often coincide) stay visible.
   markers = dict(zip(shown, ("o", "s", "^", "x"), strict=True))
+  offsets = dict(zip(shown, (0.94, 1.0, 1.06, 1.12), strict=True))
   fig = Figure(figsize=(4.2 * len(panels), 3.2 * len(rows)))
   axes = fig.subplots(len(rows), len(panels), squeeze=False)
   ks = sorted({r["k"] for r in results})
@@ -647,7 +649,7 @@ def figure(payload: dict[str, Any]) -> Any:
         if points:
           xs, ys = zip(*sorted(points), strict=True)
           ax.plot(
-            xs,
+            [x * offsets[name] for x in xs],
             ys,
             styles[k],
             marker=markers[name],
@@ -657,17 +659,34 @@ def figure(payload: dict[str, Any]) -> Any:
           )
       if target is not None:
         ax.axhline(target, color="gray", lw=0.8, ls=":")
+        ax.annotate(
+          f"target {target}",
+          (0.01, target),
+          xycoords=("axes fraction", "data"),
+          va="bottom",
+          fontsize=7,
+          color="gray",
+        )
       ax.set_xscale("log", base=2)
       ax.set_xlabel("params (MB)")
       ax.set_ylabel(title)
       ax.set_title(f"{opt}, {dtype}", fontsize=9)
-  axes[1][-1].legend(fontsize=7)
+  # One legend, below the panels: it covers no data.
+  handles, labels = axes[1][0].get_legend_handles_labels()
+  fig.legend(
+    handles,
+    labels,
+    loc="lower center",
+    ncol=min(4, len(labels)),
+    fontsize=7,
+    bbox_to_anchor=(0.5, 0.0),
+  )
   fig.suptitle(
     f"bench_step on {payload['machine']['backend']}"
     f" ({payload['machine']['cpu_count']} CPUs)",
     fontsize=10,
   )
-  fig.tight_layout()
+  fig.tight_layout(rect=(0, 0.06, 1, 1))
   return fig
 
 
