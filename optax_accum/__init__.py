@@ -1,6 +1,9 @@
 """optax_accum: gradient accumulation for JAX, as an optax transformation."""
 
 from optax_accum._accumulate import accumulate as accumulate
+from optax_accum._layout import add_device_axis as add_device_axis
+from optax_accum._layout import drop_device_axis as drop_device_axis
+from optax_accum._layout import shard_map_specs as shard_map_specs
 from optax_accum._microbatch import microbatch as microbatch
 from optax_accum._noise_scale import noise_scale as noise_scale
 from optax_accum._noise_scale import (
@@ -8,16 +11,23 @@ from optax_accum._noise_scale import (
 )
 from optax_accum._sharding import state_shardings as state_shardings
 from optax_accum._state import AccumulateState as AccumulateState
+from optax_accum._state import NoiseScaleState as NoiseScaleState
 from optax_accum._state import has_updated as has_updated
+from optax_accum._state import inner_state as inner_state
 
 __version__ = "0.1.0"
 
 __all__ = (
   "AccumulateState",
+  "NoiseScaleState",
   "accumulate",
+  "add_device_axis",
+  "drop_device_axis",
   "has_updated",
+  "inner_state",
   "microbatch",
   "noise_scale",
   "noise_scale_components",
+  "shard_map_specs",
   "state_shardings",
 )
