@@ -134,31 +134,6 @@ def make_inner() -> optax.GradientTransformation:
 # ----------------------------------------------------------------------------
 
 
-def _state_layout(deferred: bool):
-  """(PartitionSpecs of the state, to-local, to-global) under shard_map.
-
-  With a gradient reduced every micro-batch the whole state is the same on
-  every device: replicated. With `axis_name` the running sums are each
-  device's own and carry a leading device axis.
-  """
-  local = (
-    ("acc_grads", "acc_weight", "noise_sq_norm_sum", "noise_count")
-    if deferred
-    else ()
-  )
-  fields = optax_accum.AccumulateState._fields
-  specs = optax_accum.AccumulateState(
-    **{f: P("data") if f in local else P() for f in fields}
-  )
-
-  def convert(fn):
-    return lambda state: state._replace(
-      **{f: jax.tree.map(fn, getattr(state, f)) for f in local if f in fields}
-    )
-
-  return specs, convert(lambda a: a[0]), convert(lambda a: a[None])
-
-
 def make_recipe(recipe: str, k: int, problem: Problem):
   """The jitted micro-step of `recipe`, with fresh params and state."""
   mesh, inner = problem.mesh, make_inner()
@@ -177,7 +152,17 @@ def make_recipe(recipe: str, k: int, problem: Problem):
 
   deferred = recipe == "axis_name"
   tx = optax_accum.accumulate(inner, k, axis_name="data" if deferred else None)
-  specs, to_local, to_global = _state_layout(deferred)
+  if deferred:
+    # The library owns the layout: the running sums are each device's own.
+    specs = optax_accum.shard_map_specs(jax.eval_shape(tx.init, params), "data")
+    to_local, to_global = (
+      optax_accum.drop_device_axis,
+      optax_accum.add_device_axis,
+    )
+  else:
+    # A gradient reduced every micro-batch: the whole state is the same on
+    # every device, replicated.
+    specs, to_local, to_global = P(), (lambda s: s), (lambda s: s)
 
   def local_step(params, state, x, y):
     # Varying params: jax.grad returns the local gradient instead of

@@ -63,14 +63,22 @@ def element_bytes(dtype: str) -> int:
   return -(-int(bits.group()) // 8) if bits else 0
 
 
+def array_shapes(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+  """The arrays of an HLO shape: ``(f32[8]{0}, s32[])`` ->
+  ``[("f32", (8,)), ("s32", ())]``."""
+  return [
+    (dtype, tuple(int(d) for d in dims.split(",") if d))
+    for dtype, dims in _ARRAY.findall(shape)
+  ]
+
+
 def shape_bytes(shape: str) -> int:
   """Bytes of every array in an HLO shape (``(f32[8]{0}, s32[])`` -> 36)."""
   total = 0
-  for dtype, dims in _ARRAY.findall(shape):
+  for dtype, dims in array_shapes(shape):
     size = 1
-    for d in dims.split(","):
-      if d:
-        size *= int(d)
+    for d in dims:
+      size *= d
     total += size * element_bytes(dtype)
   return total
 
