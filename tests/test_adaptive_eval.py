@@ -1,0 +1,119 @@
+"""Smoke test of examples/lm/adaptive.py, and the README table it feeds.
+
+The script runs once per module at a tiny size (a 1-layer model of width 16,
+a dozen micro-batches); the tests check that it writes what it claims and
+that every run trained on the same tokens. The last test checks that the
+table in examples/lm/README.md is the one the committed results give.
+"""
+
+import importlib
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+LM = ROOT / "examples" / "lm"
+RESULTS = LM / "results"
+# The script imports the demo's modules by name, as `python adaptive.py` does.
+_MODULES = ("config", "input_pipeline", "models", "checkpointing", "train")
+TINY = [
+  "--budget", "12", "--micro-batch", "2", "--max-len", "32",
+  "--d-model", "16", "--num-layers", "1", "--evals", "3",
+  "--heldout-samples", "16", "--min-cycles", "2", "--seeds", "0",
+  "--k-small", "2", "--k-large", "4", "--k-max", "8",
+  "--schedule", "0.3:4",
+  # A target far above any estimate: the controller must grow.
+  "--scale", "1000",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def adaptive():
+  sys.path.insert(0, str(LM))
+  try:
+    return importlib.import_module("adaptive")
+  finally:
+    sys.path.remove(str(LM))
+    for name in (*_MODULES, "adaptive"):
+      sys.modules.pop(name, None)
+
+
+@pytest.fixture(scope="module")
+def evaluation(adaptive, tmp_path_factory):
+  out = tmp_path_factory.mktemp("adaptive")
+  adaptive.main([*TINY, "--out", str(out)])
+  return out, json.loads((out / "results.json").read_text())
+
+
+def test_writes_results_table_and_plot(evaluation, adaptive):
+  out, results = evaluation
+  assert set(results) >= {"settings", "machine", "runs", "total_seconds"}
+  assert set(results["machine"]) >= {"jax", "optax", "flax", "processor"}
+  (by_run,) = results["runs"].values()
+  assert list(by_run) == list(adaptive.RUNS)
+  for r in by_run.values():
+    assert set(r) >= {
+      "curve",
+      "cycles",
+      "final_heldout",
+      "steps",
+      "tokens",
+      "tokens_to_target",
+      "steps_to_target",
+      "train_seconds",
+    }
+    assert len(r["curve"]) == 1 + 3  # at init, then --evals
+    assert all(math.isfinite(p["heldout"]) for p in r["curve"])
+  table = adaptive.markdown_table(results)
+  assert (out / "results.md").read_text().startswith(table)
+  assert (out / "adaptive.png").stat().st_size > 0
+
+
+def test_every_run_trains_on_the_same_tokens(evaluation):
+  _, results = evaluation
+  (by_run,) = results["runs"].values()
+  budgets = {r["budget_tokens"] for r in by_run.values()}
+  assert len(budgets) == 1
+  for r in by_run.values():
+    assert r["cycles"][-1]["micro_batches"] == 12
+    assert r["tokens"] == r["budget_tokens"]  # the last cycle was flushed
+
+
+def test_k_follows_each_policy(evaluation):
+  _, results = evaluation
+  (by_run,) = results["runs"].values()
+  ks = {name: [c["k"] for c in r["cycles"]] for name, r in by_run.items()}
+  assert set(ks["fixed-small"]) == {2}
+  assert set(ks["fixed-large"]) == {4}
+  assert by_run["fixed-small"]["steps"] == 6
+  assert by_run["fixed-large"]["steps"] == 3
+  for name in ("schedule", "controller"):
+    assert ks[name] == sorted(ks[name]), name  # never shrinks
+    assert ks[name][0] == 2 and ks[name][-1] > 2, name
+  assert max(ks["controller"]) <= 8
+
+
+def test_reaching_the_baseline_is_read_off_the_curve(evaluation):
+  _, results = evaluation
+  (by_run,) = results["runs"].values()
+  target = by_run["fixed-large"]["final_heldout"]
+  for r in by_run.values():
+    reached = [p for p in r["curve"] if p["heldout"] <= target]
+    if reached:
+      assert r["tokens_to_target"] == reached[0]["tokens"]
+      assert r["steps_to_target"] == reached[0]["steps"]
+    else:
+      assert r["tokens_to_target"] is None
+
+
+def test_readme_table_is_the_committed_results(adaptive):
+  results = json.loads((RESULTS / "results.json").read_text())
+  table = adaptive.markdown_table(results)
+  readme = (LM / "README.md").read_text()
+  assert table in readme
+  assert (RESULTS / "results.md").read_text().startswith(table)
+  # Every figure in the README's prose about the noise scale, too.
+  assert adaptive.noise_note(results) in readme
