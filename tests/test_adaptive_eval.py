@@ -1,9 +1,10 @@
 """Smoke test of examples/lm/adaptive.py, and the README table it feeds.
 
 The script runs once per module at a tiny size (a 1-layer model of width 16,
-a dozen micro-batches); the tests check that it writes what it claims and
-that every run trained on the same tokens. The last test checks that the
-table in examples/lm/README.md is the one the committed results give.
+13 micro-batches, so that last cycles are partial and must be flushed); the
+tests check that it writes what it claims and that every run trained on the
+same tokens. The last test checks that the table in examples/lm/README.md is
+the one the committed results give.
 """
 
 import importlib
@@ -20,7 +21,7 @@ RESULTS = LM / "results"
 # The script imports the demo's modules by name, as `python adaptive.py` does.
 _MODULES = ("config", "input_pipeline", "models", "checkpointing", "train")
 TINY = [
-  "--budget", "12", "--micro-batch", "2", "--max-len", "32",
+  "--budget", "13", "--micro-batch", "2", "--max-len", "32",
   "--d-model", "16", "--num-layers", "1", "--evals", "3",
   "--heldout-samples", "16", "--min-cycles", "2", "--seeds", "0",
   "--k-small", "2", "--k-large", "4", "--k-max", "8",
@@ -53,7 +54,7 @@ def test_writes_results_table_and_plot(evaluation, adaptive):
   assert set(results) >= {"settings", "machine", "runs", "total_seconds"}
   assert set(results["machine"]) >= {"jax", "optax", "flax", "processor"}
   (by_run,) = results["runs"].values()
-  assert list(by_run) == list(adaptive.RUNS)
+  assert list(by_run) == [*adaptive.RUNS, *adaptive.EXTRA_RUNS]
   for r in by_run.values():
     assert set(r) >= {
       "curve",
@@ -78,7 +79,7 @@ def test_every_run_trains_on_the_same_tokens(evaluation):
   budgets = {r["budget_tokens"] for r in by_run.values()}
   assert len(budgets) == 1
   for r in by_run.values():
-    assert r["cycles"][-1]["micro_batches"] == 12
+    assert r["cycles"][-1]["micro_batches"] == 13
     assert r["tokens"] == r["budget_tokens"]  # the last cycle was flushed
 
 
@@ -88,12 +89,14 @@ def test_k_follows_each_policy(evaluation):
   ks = {name: [c["k"] for c in r["cycles"]] for name, r in by_run.items()}
   assert set(ks["fixed-small"]) == {2}
   assert set(ks["fixed-large"]) == {4}
-  assert by_run["fixed-small"]["steps"] == 6
-  assert by_run["fixed-large"]["steps"] == 3
-  for name in ("schedule", "controller"):
+  assert by_run["fixed-small"]["steps"] == 7  # the last of 1
+  assert by_run["fixed-large"]["steps"] == 4  # the last of 1
+  controllers = ["controller", "controller-known-w", "controller-uncoupled"]
+  for name in ["schedule", *controllers]:
     assert ks[name] == sorted(ks[name]), name  # never shrinks
     assert ks[name][0] == 2 and ks[name][-1] > 2, name
-  assert max(ks["controller"]) <= 8
+  for name in controllers:
+    assert max(ks[name]) <= 8, name  # --k-max
 
 
 def test_reaching_the_baseline_is_read_off_the_curve(evaluation):

@@ -14,8 +14,10 @@ micro-batches per optimizer step (k) differs:
 
 The learning rate follows k in every run by OLMo-core's square-root rule,
 ``lr = --lr * sqrt(k / --k-small)``, through ``optax_accum.inner_for_every_k``
-(constant within a run for the fixed runs); --uncoupled adds a controller run
-without it. Each run draws ``current_every_k`` micro-batches per cycle, as a
+(constant within a run for the fixed runs). Two more controller runs (in the
+default --runs) isolate its inputs: ``controller-known-w`` is told the mean
+micro-batch weight (``micro_batch_weight=``) instead of measuring it from
+the last cycle, ``controller-uncoupled`` keeps the learning rate constant. Each run draws ``current_every_k`` micro-batches per cycle, as a
 data loader would, and flushes the last partial cycle so that every run
 trains on exactly the same tokens. Held-out loss is measured at the first
 cycle end after each 1/--evals of the budget.
@@ -52,7 +54,7 @@ from models import TransformerLM
 from train import accumulate_state, mean_token_loss, token_loss_sum
 
 RUNS = ("fixed-small", "fixed-large", "schedule", "controller")
-UNCOUPLED = "controller-uncoupled"
+EXTRA_RUNS = ("controller-known-w", "controller-uncoupled")
 BASELINE = "fixed-large"  # the others race to its final held-out loss
 
 
@@ -75,7 +77,7 @@ class Settings:
   evals: int = 16
   heldout_samples: int = 256
   seeds: tuple[int, ...] = (0, 1)
-  uncoupled: bool = False
+  runs: tuple[str, ...] = RUNS + EXTRA_RUNS
 
   def model_config(self, seed: int) -> Config:
     # One "step" of the demo's Config = one micro-batch of this stream.
@@ -104,19 +106,24 @@ def make_every_k(s: Settings, run: str, budget_tokens: float):
     )
   # The controller needs k >= 2 from the start: one micro-batch per cycle
   # gives no estimate of the gradient noise.
+  known_w = budget_tokens / s.budget if run == "controller-known-w" else None
   return optax_accum.grow_every_k(
-    s.k_max, k_min=s.k_small, scale=s.scale, min_cycles=s.min_cycles
+    s.k_max,
+    k_min=s.k_small,
+    scale=s.scale,
+    min_cycles=s.min_cycles,
+    micro_batch_weight=known_w,
   )
 
 
 def make_tx(s: Settings, run: str, budget_tokens: float):
-  coupled = run != UNCOUPLED
+  coupled = run != "controller-uncoupled"
 
   def inner(k):
     lr = s.lr * jnp.sqrt(k / s.k_small) if coupled else s.lr
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(lr))
 
-  every_k = make_every_k(s, "controller" if not coupled else run, budget_tokens)
+  every_k = make_every_k(s, run, budget_tokens)
   # The noise scale is tracked in every run (a squared norm per micro-batch):
   # the fixed-small run gives the estimate with the most cycles.
   return optax_accum.accumulate(
@@ -313,9 +320,7 @@ def plot(results: dict, path: pathlib.Path) -> None:
   import matplotlib.pyplot as plt
 
   fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
-  colors = dict(
-    zip(list(RUNS) + [UNCOUPLED], plt.cm.tab10.colors, strict=False)
-  )
+  colors = dict(zip(RUNS + EXTRA_RUNS, plt.cm.tab10.colors, strict=False))
   styles = ["-", "--", ":", "-."]
   for n, (seed, by_run) in enumerate(results["runs"].items()):
     style = styles[n % len(styles)]
@@ -331,29 +336,30 @@ def plot(results: dict, path: pathlib.Path) -> None:
           color=colors[name],
           label=label,
         )
-      if name == "controller":
-        tokens = [c["tokens"] for c in r["cycles"]]
-        w = r["budget_tokens"] / results["settings"]["budget"]
+      tokens = [c["tokens"] for c in r["cycles"]]
+      if name.startswith("controller"):
         axes[2].plot(
           tokens,
           [c["k"] for c in r["cycles"]],
           style,
-          color="C3",
-          label=f"controller k (seed {seed})",
+          color=colors[name],
+          label=f"{name} k (seed {seed})",
         )
+      if name == "fixed-small":  # the estimate with the most cycles
+        w = r["budget_tokens"] / results["settings"]["budget"]
         axes[2].plot(
           tokens,
           [c["noise_scale_tokens"] / w for c in r["cycles"]],
           style,
-          color="C7",
-          label=f"B_simple / micro-batch (seed {seed})",
+          color="0.5",
+          label=f"B_simple / mean micro-batch, fixed-small (seed {seed})",
         )
   axes[0].set(xlabel="tokens trained on", ylabel="held-out loss (nats/byte)")
   axes[0].set_title("held-out loss vs tokens")
-  axes[1].set(xlabel="optimizer steps", xscale="log")
+  axes[1].set(xlabel="optimizer steps")
   axes[1].set_title("held-out loss vs optimizer steps")
   axes[2].set(xlabel="tokens trained on", ylabel="micro-batches", yscale="log")
-  axes[2].set_title("controller: k and the noise scale it reads")
+  axes[2].set_title("controllers' k and the noise scale")
   for ax in axes:
     ax.grid(alpha=0.3)
   axes[0].legend(fontsize=7)
@@ -399,7 +405,7 @@ def evaluate(s: Settings, out: pathlib.Path) -> dict:
   """All runs for all seeds; writes results.json, results.md, adaptive.png."""
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
-  names = list(RUNS) + ([UNCOUPLED] if s.uncoupled else [])
+  names = s.runs
   results = {"settings": dataclasses.asdict(s), "machine": machine()}
   runs = {}
   start = time.perf_counter()
@@ -459,9 +465,9 @@ def parse_args(
   add("--heldout-samples", type=int, default=d.heldout_samples)
   add("--seeds", default=",".join(map(str, d.seeds)), help="comma-separated")
   add(
-    "--uncoupled",
-    action="store_true",
-    help="add a controller run with a constant learning rate",
+    "--runs",
+    default=",".join(d.runs),
+    help=f"comma-separated, from {','.join(RUNS + EXTRA_RUNS)}",
   )
   add(
     "--out",
@@ -494,10 +500,16 @@ def parse_args(
     evals=args.evals,
     heldout_samples=args.heldout_samples,
     seeds=seeds,
-    uncoupled=args.uncoupled,
+    runs=tuple(args.runs.split(",")),
   )
   if min(s.budget, s.micro_batch, s.evals, s.min_cycles) < 1:
     parser.error("--budget, --micro-batch, --evals, --min-cycles must be >= 1")
+  unknown = set(s.runs) - set(RUNS + EXTRA_RUNS)
+  if unknown or not {BASELINE, "fixed-small"} <= set(s.runs):
+    parser.error(
+      f"--runs: unknown {sorted(unknown)}, or {BASELINE} or fixed-small"
+      f" missing (both needed), in {args.runs!r}"
+    )
   if not 2 <= s.k_small <= s.k_large <= s.k_max:
     parser.error("need 2 <= --k-small <= --k-large <= --k-max")
   return s, args.out
