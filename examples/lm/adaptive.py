@@ -360,6 +360,14 @@ def plot(results: dict, path: pathlib.Path) -> None:
   axes[1].set_title("held-out loss vs optimizer steps")
   axes[2].set(xlabel="tokens trained on", ylabel="micro-batches", yscale="log")
   axes[2].set_title("controllers' k and the noise scale")
+  # Zoom on the race to the end; the first evaluations sit far above.
+  finals = [
+    r["final_heldout"]
+    for by_run in results["runs"].values()
+    for r in by_run.values()
+  ]
+  for ax in axes[:2]:
+    ax.set_ylim(min(finals) - 0.02, max(finals) + 0.35)
   for ax in axes:
     ax.grid(alpha=0.3)
   axes[0].legend(fontsize=7)
