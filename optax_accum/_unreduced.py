@@ -119,6 +119,12 @@ def _spec(x: Any) -> P:
   return getattr(jax.typeof(x).sharding, "spec", P())
 
 
+def _parts(spec: P) -> tuple:
+  """The per-dimension entries of `spec` (``*spec`` is refused once it has
+  unreduced or reduced axes)."""
+  return tuple(getattr(spec, "partitions", spec))
+
+
 def is_unreduced(x: Any, axis_name: AxisName = "data") -> bool:
   """Whether `x` is typed unreduced over every axis of `axis_name`.
 
@@ -160,7 +166,7 @@ def _without(spec: P, axes: tuple) -> tuple:
       return None
     return kept if isinstance(entry, tuple) else kept[0]
 
-  return tuple(drop(e) for e in spec)
+  return tuple(drop(e) for e in _parts(spec))
 
 
 def unreduced_spec(x: Any, axis_name: AxisName = "data") -> P:
@@ -188,11 +194,14 @@ def unreduced_zeros_like(
   dtype = jnp.result_type(x) if dtype is None else dtype
   spec = unreduced_spec(x, axis_name)
   sharding = getattr(x, "sharding", None)
-  if isinstance(sharding, NamedSharding) and not isinstance(x, jax.core.Tracer):
-    # A concrete mesh: allowed without a mesh context.
-    return jnp.zeros(
-      jnp.shape(x), dtype, out_sharding=sharding.update(spec=spec)
-    )
+  if (
+    isinstance(sharding, NamedSharding)
+    and not isinstance(x, jax.core.Tracer)
+    and jax.sharding.get_abstract_mesh().empty
+  ):
+    # Eager, no mesh context: unreduced zeros need one; use the array's.
+    with jax.set_mesh(sharding.mesh):
+      return jnp.zeros(jnp.shape(x), dtype, out_sharding=spec)
   return jnp.zeros(jnp.shape(x), dtype, out_sharding=spec)
 
 
@@ -204,7 +213,7 @@ def to_reduced(x: Any, axis_name: AxisName = "data") -> jax.Array:
   return jax.reshard(
     x,
     P(
-      *spec,
+      *_parts(spec),
       unreduced=spec.unreduced,
       reduced=frozenset(spec.reduced) | frozenset(_axes(axis_name)),
     ),
@@ -270,7 +279,9 @@ def reduce(
   def default(x):
     spec = _spec(x)
     return P(
-      *spec, unreduced=frozenset(spec.unreduced) - axes, reduced=spec.reduced
+      *_parts(spec),
+      unreduced=frozenset(spec.unreduced) - axes,
+      reduced=spec.reduced,
     )
 
   if out_specs is None:
@@ -288,7 +299,7 @@ def from_per_device(stacked: Any, axis_name: AxisName = "data") -> Any:
   """
 
   def one(s):
-    parts = tuple(_spec(s))[1:]
+    parts = _parts(_spec(s))[1:]
     parts += (None,) * (s.ndim - 1 - len(parts))
     out = P(*parts, unreduced=frozenset(_axes(axis_name)))
     ones = jnp.ones(s.shape[:1], s.dtype, out_sharding=P(axis_name))
