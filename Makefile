@@ -22,7 +22,7 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) examples/lm/train.py
+	$(PY) examples/lm/main.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_step.py

@@ -1,11 +1,13 @@
-"""Helpers shared by the benchmark scripts.
+"""The runner shared by the benchmark scripts.
 
-Machine information, compiled memory, per-call timing and the three output
-files (JSON, Markdown, PNG). Kept here so that both scripts measure memory and
-time the same way; each script stays runnable on its own
-(``python benchmarks/bench_step.py``).
+Command-line options every script has (rounds, warm-up, repeats, output
+folder, device count), interleaved timing rounds, the spread over repeats,
+machine information, compiled memory and the three output files (JSON,
+Markdown, PNG). Kept here so that every script measures the same way; each
+stays runnable on its own (``python benchmarks/bench_step.py``).
 """
 
+import argparse
 import datetime
 import json
 import os
@@ -24,6 +26,122 @@ import optax
 import optax_accum
 
 MB = 2**20
+# Where `make bench` leaves its results: benchmarks/README.md reads them.
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def add_run_arguments(
+  parser: argparse.ArgumentParser,
+  *,
+  rounds: int,
+  warmup: int,
+  repeats: int = 3,
+) -> None:
+  """--rounds, --warmup, --repeats and --out, with a script's defaults."""
+  parser.add_argument(
+    "--rounds",
+    type=_positive_int,
+    default=rounds,
+    help="timed rounds per repeat (the variants take turns in each)",
+  )
+  parser.add_argument(
+    "--warmup",
+    type=_non_negative_int,
+    default=warmup,
+    help="untimed rounds at the start of each repeat",
+  )
+  parser.add_argument(
+    "--repeats",
+    type=_positive_int,
+    default=repeats,
+    help="independent measurements (each: warm-up, then rounds); the"
+    " reports give the median over repeats and their min-max",
+  )
+  parser.add_argument(
+    "--out",
+    default=str(RESULTS_DIR),
+    help="output folder for <name>.{json,md,png}",
+  )
+
+
+def _positive_int(text: str) -> int:
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"need an integer >= 1, got {text!r}")
+  return value
+
+
+def _non_negative_int(text: str) -> int:
+  value = int(text)
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"need an integer >= 0, got {text!r}")
+  return value
+
+
+def int_list(text: str) -> list[int]:
+  """``"1,4,16"`` -> ``[1, 4, 16]``, all >= 1 (an argparse type)."""
+  try:
+    values = [int(v) for v in text.split(",") if v.strip()]
+  except ValueError:
+    values = []
+  if not values or min(values) < 1:
+    raise argparse.ArgumentTypeError(f"need positive integers, got {text!r}")
+  return values
+
+
+def interleaved(
+  turns: dict[str, Callable[[int], Any]],
+  *,
+  rounds: int,
+  warmup: int,
+  advance: Callable[[], None] = lambda: None,
+) -> dict[str, list[Any]]:
+  """Runs every variant's turn once a round, rotating who goes first.
+
+  `turns[name](round_index)` runs one turn and returns its measurement;
+  the measurements of the `rounds` rounds after `warmup` untimed ones are
+  returned per name. Interleaving puts every variant under the same
+  machine load; rotating the order spreads the cost of going first (cold
+  caches) evenly. `advance` is called after each round.
+  """
+  names = list(turns)
+  out = {name: [] for name in names}
+  for r in range(warmup + rounds):
+    shift = r % max(len(names), 1)
+    for name in names[shift:] + names[:shift]:
+      value = turns[name](r)
+      if r >= warmup:
+        out[name].append(value)
+    advance()
+  return out
+
+
+def spread(values: Sequence[float | None]) -> dict[str, Any]:
+  """Median, min and max of a measurement over repeats (None left out)."""
+  kept = [v for v in values if v is not None]
+  if not kept:
+    return {"median": None, "min": None, "max": None, "values": []}
+  return {
+    "median": statistics.median(kept),
+    "min": min(kept),
+    "max": max(kept),
+    "values": list(kept),
+  }
+
+
+def fmt_spread(s: dict[str, Any], digits: int = 2, suffix: str = "") -> str:
+  """``0.71 (0.65-0.80)``: median (min-max); a single value alone."""
+  if s["median"] is None:
+    return "-"
+  text = f"{s['median']:.{digits}f}{suffix}"
+  if len(s["values"]) > 1:
+    text += f" ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+  return text
+
+
+def set_cpu_devices(count: int) -> None:
+  """Simulated CPU devices; must run before anything touches a device."""
+  jax.config.update("jax_num_cpu_devices", count)
 
 
 def machine_info() -> dict[str, Any]:
@@ -45,6 +163,9 @@ def machine_info() -> dict[str, Any]:
     "device_kind": device.device_kind,
     "device_count": jax.device_count(),
     "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "load_average": list(os.getloadavg())
+    if hasattr(os, "getloadavg")
+    else None,
   }
 
 

@@ -13,476 +13,456 @@ every micro-batch), ``k`` micro-batches per optimizer step, three recipes:
   ``accumulate(inner, k, axis_name="data")``: one reduction per step, in the
   conditional branch that emits the update.
 
-Bytes come from the compiled HLO of the micro-step (``.compile().as_text()``):
-each ``all-reduce`` op's payload (the bytes of the buffers it reduces, per
-device) counts once per micro-batch when it runs on every call, and once per
-optimizer step when it sits inside a branch of a ``conditional`` (the
-emitting branch runs once per cycle). A ring all-reduce moves about
+Bytes come from the compiled micro-step, read by
+``optax_accum._collectives.collectives``: each all-reduce's payload (bytes
+per device) counts ``k`` times per optimizer step when it runs on every
+call, once when it sits in the emitting branch of a conditional, and
+``k - 1`` times in the branch that holds. A ring all-reduce moves about
 ``2 (n - 1) / n`` times the payload per device.
 
 Time is one optimizer step (``k`` micro-step calls, params and state donated,
-``block_until_ready`` at the end), after warm-up, medians over rounds in
-which the recipes take turns (the first recipe rotates). All three recipes
-compute the same update; the script checks that their params agree.
+``block_until_ready`` at the end) after warm-up; the recipes take turns in
+every round (the first rotates); each repeat gives a median over its rounds
+and the report shows the median over repeats with their min-max. All
+recipes compute the same update; the script checks that their params agree.
 
 On simulated CPU devices an all-reduce is a memory copy inside one process,
-so the time ratio understates what a network would show: the bytes column is
-the portable result.
+so times say little about a real interconnect: the bytes are the portable
+result.
 
 Usage::
 
-  python benchmarks/bench_comm.py                 # ~1-2 minutes
+  python benchmarks/bench_comm.py                 # a few minutes
   python benchmarks/bench_comm.py --width 2048 --ks 1,4,16,64
 """
 
 import argparse
-import os
-import re
+import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from _common import (
+  MB,
+  add_run_arguments,
+  fmt,
+  fmt_spread,
+  int_list,
+  interleaved,
+  machine_info,
+  machine_line,
+  markdown_table,
+  median,
+  set_cpu_devices,
+  spread,
+  timed_call,
+  tree_bytes,
+  write_outputs,
+)
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from matplotlib.figure import Figure
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
 
-def _int_list(text: str) -> list[int]:
-  values = [int(v) for v in text.split(",") if v.strip()]
-  if not values or min(values) < 1:
-    raise argparse.ArgumentTypeError(f"need positive integers, got {text!r}")
-  return values
+import optax_accum
+from optax_accum._collectives import collectives
+
+RECIPES = ("gspmd", "psum_each", "axis_name")
+BASELINE = "psum_each"
+
+# ----------------------------------------------------------------------------
+# The problem: an MLP, data parallel over one mesh axis.
+# ----------------------------------------------------------------------------
 
 
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  mesh: jax.sharding.Mesh
+  params: dict[str, np.ndarray]  # on the host: each recipe gets a copy
+  micro_batches: list[tuple[jax.Array, jax.Array]]  # sharded over "data"
+  width: int
+
+
+def make_problem(width: int, per_device_batch: int, count: int) -> Problem:
+  """Params of a 2-layer MLP and `count` micro-batches."""
+  mesh = jax.make_mesh(
+    (jax.device_count(),), ("data",), axis_types=(AxisType.Auto,)
+  )
+  k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+  params = jax.device_get(
+    {
+      "w1": jax.random.normal(k1, (width, width)) / np.sqrt(width),
+      "b1": jnp.zeros(width),
+      "w2": jax.random.normal(k2, (width, width)) / np.sqrt(width),
+      "b2": jnp.zeros(width),
+    }
+  )
+  rng = np.random.default_rng(0)
+  rows = per_device_batch * jax.device_count()
+  micro = [
+    jax.device_put(
+      tuple(
+        rng.normal(size=(rows, width)).astype(np.float32) for _ in range(2)
+      ),
+      NamedSharding(mesh, P("data")),
+    )
+    for _ in range(count)
+  ]
+  return Problem(mesh, params, micro, width)
+
+
+def loss(params, x, y):
+  h = jnp.tanh(x @ params["w1"] + params["b1"][None])
+  return jnp.mean((h @ params["w2"] + params["b2"][None] - y) ** 2)
+
+
+# SGD with momentum: linear in the gradient, so the recipes' params can be
+# compared tightly at the end (adam's normalisation would hide errors).
+def make_inner() -> optax.GradientTransformation:
+  return optax.sgd(1e-2, momentum=0.9)
+
+
+# ----------------------------------------------------------------------------
+# The recipes: (jitted micro-step, params, state).
+# ----------------------------------------------------------------------------
+
+
+def make_recipe(recipe: str, k: int, problem: Problem):
+  """The jitted micro-step of `recipe`, with fresh params and state."""
+  mesh, inner = problem.mesh, make_inner()
+  params = jax.device_put(problem.params, NamedSharding(mesh, P()))
+  if recipe == "gspmd":
+    tx = optax_accum.accumulate(inner, k)
+
+    def gspmd_step(params, state, x, y):
+      updates, state = tx.update(jax.grad(loss)(params, x, y), state, params)
+      return optax.apply_updates(params, updates), state
+
+    state = jax.jit(
+      tx.init, out_shardings=optax_accum.state_shardings(tx, params)
+    )(params)
+    return jax.jit(gspmd_step, donate_argnums=(0, 1)), params, state
+
+  deferred = recipe == "axis_name"
+  tx = optax_accum.accumulate(inner, k, axis_name="data" if deferred else None)
+  if deferred:
+    # The library owns the layout: the running sums are each device's own.
+    specs = optax_accum.shard_map_specs(jax.eval_shape(tx.init, params), "data")
+    to_local, to_global = (
+      optax_accum.drop_device_axis,
+      optax_accum.add_device_axis,
+    )
+  else:
+    # A gradient reduced every micro-batch: the whole state is the same on
+    # every device, replicated.
+    specs, to_local, to_global = P(), (lambda s: s), (lambda s: s)
+
+  def local_step(params, state, x, y):
+    # Varying params: jax.grad returns the local gradient instead of
+    # all-reducing it itself on every micro-batch.
+    grad = jax.grad(loss)(lax.pcast(params, "data", to="varying"), x, y)
+    if not deferred:
+      grad = lax.pmean(grad, "data")
+    updates, state = tx.update(grad, to_local(state), params)
+    return optax.apply_updates(params, updates), to_global(state)
+
+  init = jax.jit(
+    jax.shard_map(
+      lambda p: to_global(tx.init(p)), mesh=mesh, in_specs=P(), out_specs=specs
+    )
+  )
+  step = jax.jit(
+    jax.shard_map(
+      local_step,
+      mesh=mesh,
+      in_specs=(P(), specs, P("data"), P("data")),
+      out_specs=(P(), specs),
+    ),
+    donate_argnums=(0, 1),
+  )
+  return step, params, init(params)
+
+
+# ----------------------------------------------------------------------------
+# Measuring.
+# ----------------------------------------------------------------------------
+
+
+def traffic(compiled: Any, k: int) -> dict[str, int]:
+  """All-reduce ops and payload bytes per optimizer step of `k` calls."""
+  out = dict.fromkeys(
+    (
+      "always_ops",
+      "always_bytes",
+      "emitting_ops",
+      "emitting_bytes",
+      "holding_ops",
+      "holding_bytes",
+      "other_collective_ops",
+    ),
+    0,
+  )
+  for c in collectives(compiled):
+    if c.opcode != "all-reduce":
+      out["other_collective_ops"] += 1
+      continue
+    where = (
+      "always" if c.unconditional else "emitting" if c.emitting else "holding"
+    )
+    out[f"{where}_ops"] += 1
+    out[f"{where}_bytes"] += c.bytes
+  calls = {"always": k, "emitting": 1, "holding": k - 1}
+  out["ops_per_step"] = sum(n * out[f"{w}_ops"] for w, n in calls.items())
+  out["bytes_per_step"] = sum(n * out[f"{w}_bytes"] for w, n in calls.items())
+  return out
+
+
+def measure_k(
+  k: int, problem: Problem, args: argparse.Namespace, advance: Callable
+) -> list[dict[str, Any]]:
+  """Traffic and step time of every recipe at `k` micro-batches a step."""
+  runs, rows = {}, {}
+  for recipe in RECIPES:
+    step, params, state = make_recipe(recipe, k, problem)
+    compiled = step.lower(params, state, *problem.micro_batches[0]).compile()
+    rows[recipe] = {"recipe": recipe, "k": k, **traffic(compiled, k)}
+    runs[recipe] = [compiled, params, state]
+    advance()
+
+  def turn(recipe):
+    def one_step(_):
+      compiled, params, state = runs[recipe]
+      seconds = 0.0
+      for x, y in problem.micro_batches[:k]:
+        t, (params, state) = timed_call(compiled, params, state, x, y)
+        seconds += t
+      runs[recipe][1:] = [params, state]
+      return seconds
+
+    return one_step
+
+  repeats = []
+  for _ in range(args.repeats):
+    times = interleaved(
+      {recipe: turn(recipe) for recipe in RECIPES},
+      rounds=args.rounds,
+      warmup=args.warmup,
+      advance=advance,
+    )
+    repeats.append({recipe: median(times[recipe]) for recipe in RECIPES})
+
+  # Same data, same maths: the recipes must reach the same params.
+  finals = [jax.device_get(runs[recipe][1]) for recipe in RECIPES]
+  for other in finals[1:]:
+    for a, b in zip(
+      jax.tree.leaves(finals[0]), jax.tree.leaves(other), strict=True
+    ):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+  base = rows[BASELINE]
+  for recipe, row in rows.items():
+    row["step_ms"] = spread([1e3 * r[recipe] for r in repeats])
+    row["time_ratio_vs_baseline"] = spread(
+      [r[recipe] / r[BASELINE] for r in repeats]
+    )
+    row["bytes_ratio_vs_baseline"] = (
+      row["bytes_per_step"] / base["bytes_per_step"]
+      if base["bytes_per_step"]
+      else None
+    )
+  return [rows[recipe] for recipe in RECIPES]
+
+
+# ----------------------------------------------------------------------------
+# Reporting.
+# ----------------------------------------------------------------------------
+
+HEADER = (
+  "recipe",
+  "k",
+  "all-reduces",
+  "MiB/step",
+  "bytes ratio",
+  "ms/step",
+  "time ratio",
+)
+
+
+def table_rows(payload: dict[str, Any]) -> list[list[str]]:
+  return [
+    [
+      r["recipe"],
+      str(r["k"]),
+      str(r["ops_per_step"]),
+      fmt(r["bytes_per_step"] / MB, 2),
+      fmt(r["bytes_ratio_vs_baseline"], 2),
+      fmt_spread(r["step_ms"], 1),
+      fmt_spread(r["time_ratio_vs_baseline"], 2),
+    ]
+    for r in payload["results"]
+  ]
+
+
+def markdown_report(payload: dict[str, Any]) -> str:
+  c, a = payload["config"], payload["args"]
+  text = (
+    "# bench_comm: all-reduce traffic per optimizer step\n\n"
+    f"Machine: {machine_line(payload['machine'])}.\n\n"
+    f"{c['devices']} simulated devices, MLP width {a['width']}"
+    f" ({c['param_bytes'] / MB:.2f} MiB of float32 params),"
+    f" {a['per_device_batch']} examples per device per micro-batch, SGD"
+    " with momentum. Payload = bytes all-reduced per device. Times: median"
+    f" over {a['repeats']} repeats (min-max) of the median of"
+    f" {a['rounds']} interleaved rounds; ratios against `{BASELINE}` in"
+    " the same round. Simulated devices share one process's memory: times"
+    " say little about a real interconnect.\n\n"
+  ) + markdown_table(HEADER, table_rows(payload))
+  others = sum(r["other_collective_ops"] for r in payload["results"])
+  if others:
+    text += (
+      f"\nNote: {others} collective ops other than all-reduce were found"
+      " (see the JSON); their bytes are not counted above.\n"
+    )
+  return text
+
+
+def console_table(payload: dict[str, Any]) -> Table:
+  table = Table(title=f"all-reduce traffic, ratios vs {BASELINE}")
+  for name in HEADER:
+    table.add_column(name, justify="left" if name == "recipe" else "right")
+  for row in table_rows(payload):
+    table.add_row(*row)
+  return table
+
+
+# Marker, line style and a small horizontal offset per recipe: gspmd and
+# psum_each move the same bytes, so their lines would hide one another.
+STYLES = {
+  "gspmd": {"marker": "s", "ls": "--", "color": "C0", "offset": 0.96},
+  "psum_each": {"marker": "o", "ls": "-", "color": "C1", "offset": 1.0},
+  "axis_name": {"marker": "^", "ls": "-", "color": "C2", "offset": 1.04},
+}
+
+
+def figure(payload: dict[str, Any]) -> Figure:
+  results = payload["results"]
+  fig = Figure(figsize=(10, 4))
+  ax_bytes, ax_time = fig.subplots(1, 2)
+  ks = sorted({r["k"] for r in results})
+  for recipe in RECIPES:
+    style = STYLES[recipe]
+    rows = sorted((r for r in results if r["recipe"] == recipe), key=_k)
+    xs = [r["k"] * style["offset"] for r in rows]
+    common = {
+      "marker": style["marker"],
+      "ls": style["ls"],
+      "color": style["color"],
+      "markerfacecolor": "none",
+      "label": recipe,
+    }
+    ax_bytes.plot(xs, [r["bytes_per_step"] / MB for r in rows], **common)
+    med = np.array([r["step_ms"]["median"] for r in rows])
+    low = med - np.array([r["step_ms"]["min"] for r in rows])
+    high = np.array([r["step_ms"]["max"] for r in rows]) - med
+    ax_time.errorbar(xs, med, yerr=[low, high], capsize=3, **common)
+  for ax, label in (
+    (ax_bytes, "all-reduce payload per step (MiB)"),
+    (ax_time, "time per optimizer step (ms)\nmedian, min-max over repeats"),
+  ):
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.set_xlabel("k (micro-batches per step)")
+    ax.set_ylabel(label)
+    ax.legend(loc="upper left", fontsize=8, framealpha=0.8)
+  ax_bytes.set_title("gspmd and psum_each move the same bytes", fontsize=9)
+  ax_time.set_title("simulated devices: not a real interconnect", fontsize=9)
+  c = payload["config"]
+  fig.suptitle(
+    f"bench_comm: {c['devices']} host devices,"
+    f" {c['param_bytes'] / MB:.1f} MiB params",
+    fontsize=10,
+  )
+  fig.tight_layout()
+  return fig
+
+
+def _k(row):
+  return row["k"]
+
+
+# ----------------------------------------------------------------------------
+# Entry point.
+# ----------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   parser.add_argument(
-    "--devices",
-    type=int,
-    default=8,
-    help="simulated host devices (sets XLA_FLAGS unless already set)",
+    "--devices", type=int, default=8, help="simulated host devices"
   )
   parser.add_argument(
     "--ks",
-    type=_int_list,
+    type=int_list,
     default=[1, 4, 16],
     help="micro-batches per optimizer step, comma-separated (default 1,4,16)",
   )
   parser.add_argument(
     "--width",
     type=int,
-    default=1024,
-    help="MLP width: params = 2 * width^2 + 2 * width floats",
+    default=512,
+    help="MLP width: params = 2 * width^2 + 2 * width floats (default 512)",
   )
   parser.add_argument(
     "--per-device-batch",
     type=int,
     default=8,
-    help="examples per device per micro-batch",
+    help="examples per device per micro-batch (default 8)",
   )
-  parser.add_argument("--rounds", type=int, default=5, help="timed rounds")
-  parser.add_argument("--warmup", type=int, default=1, help="warm-up rounds")
-  parser.add_argument(
-    "--out", default="bench_out", help="output folder (JSON, Markdown, PNG)"
-  )
+  add_run_arguments(parser, rounds=3, warmup=1, repeats=3)
   return parser.parse_args(argv)
 
 
-RECIPES = ("gspmd", "psum_each", "axis_name")
-BASELINE = "psum_each"
-
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*)$")
-_CALLEE = re.compile(
-  r"\b(?:to_apply|calls|body|condition|true_computation|false_computation)"
-  r"=%?([\w.\-]+)"
-)
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-# Counted (not sized) so that a change of lowering does not go unnoticed.
-_OTHER_COLLECTIVES = (
-  "all-gather",
-  "reduce-scatter",
-  "collective-permute",
-  "all-to-all",
-)
-_ITEMSIZE = {
-  "pred": 1,
-  "s8": 1,
-  "u8": 1,
-  "s16": 2,
-  "u16": 2,
-  "f16": 2,
-  "bf16": 2,
-  "s32": 4,
-  "u32": 4,
-  "f32": 4,
-  "s64": 8,
-  "u64": 8,
-  "f64": 8,
-}
-
-
-def _shape_and_opcode(rest: str) -> tuple[str, str]:
-  """Splits '(f32[2], s32[]) all-reduce(...)' into shape and opcode."""
-  if rest.startswith("("):
-    depth, end = 0, len(rest)
-    for end, char in enumerate(rest, start=1):  # noqa: B007 (used after)
-      depth += {"(": 1, ")": -1}.get(char, 0)
-      if depth == 0:
-        break
-    shape, tail = rest[:end], rest[end:]
-  else:
-    shape, _, tail = rest.partition(" ")
-  return shape, tail.strip().split("(", 1)[0]
-
-
-def _array_bytes(shape: str) -> int:
-  total = 0
-  for dtype, dims in _ARRAY.findall(shape):
-    size = 1
-    for d in dims.split(","):
-      if d:
-        size *= int(d)
-    total += size * _ITEMSIZE.get(dtype, 4)
-  return total
-
-
-def all_reduce_traffic(hlo_text: str) -> dict[str, int]:
-  """All-reduce ops and payload bytes of a compiled module, split into code
-  that runs on every call and code inside a branch of a conditional, and
-  the number of other collective ops (none in these data-parallel steps)."""
-  comps: dict[str, dict[str, list]] = {}
-  entry = current = None
-  for line in hlo_text.splitlines():
-    header = _COMPUTATION.match(line)
-    if header and not line.startswith(" "):
-      current = header.group(1)
-      comps[current] = {"reduces": [], "calls": [], "others": 0}
-      if line.startswith("ENTRY"):
-        entry = current
-      continue
-    inst = _INSTRUCTION.match(line)
-    if current is None or not inst:
-      continue
-    shape, opcode = _shape_and_opcode(inst.group(1))
-    if opcode in ("all-reduce", "all-reduce-start"):
-      comps[current]["reduces"].append(_array_bytes(shape))
-    elif opcode.split("-start")[0] in _OTHER_COLLECTIVES:
-      comps[current]["others"] += 1
-    comps[current]["calls"] += [(c, False) for c in _CALLEE.findall(line)]
-    branches = _BRANCHES.search(line)
-    if branches:
-      comps[current]["calls"] += [
-        (c.strip().lstrip("%"), True) for c in branches.group(1).split(",")
-      ]
-  traffic = {
-    "always_ops": 0,
-    "always_bytes": 0,
-    "branch_ops": 0,
-    "branch_bytes": 0,
-    "other_collective_ops": 0,
-  }
-
-  def visit(name: str, in_branch: bool, seen: frozenset) -> None:
-    if name in seen or name not in comps:
-      return
-    where = "branch" if in_branch else "always"
-    traffic["other_collective_ops"] += comps[name]["others"]
-    for nbytes in comps[name]["reduces"]:
-      traffic[f"{where}_ops"] += 1
-      traffic[f"{where}_bytes"] += nbytes
-    for callee, is_branch in comps[name]["calls"]:
-      visit(callee, in_branch or is_branch, seen | {name})
-
-  if entry is not None:
-    visit(entry, False, frozenset())
-  return traffic
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-  args = _parse_args(argv)
-  # Before JAX starts its backend.
-  if "xla_force_host_platform_device_count" not in os.environ.get(
-    "XLA_FLAGS", ""
-  ):
-    os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "")
-      + f" --xla_force_host_platform_device_count={args.devices}"
-    ).strip()
-
-  import jax
-  import jax.numpy as jnp
-  import matplotlib
-  import numpy as np
-  import optax
-  from jax import lax
-  from jax.sharding import AxisType, NamedSharding
-  from jax.sharding import PartitionSpec as P
-  from rich.progress import Progress
-
-  import optax_accum
-
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  from _common import (
-    fmt,
-    machine_info,
-    machine_line,
-    markdown_table,
-    median,
-    timed_call,
-    write_outputs,
+  args = parse_args(argv)
+  set_cpu_devices(args.devices)  # before anything touches a device
+  console = Console()
+  if not console.is_terminal:
+    console = Console(width=100)
+  problem = make_problem(args.width, args.per_device_batch, max(args.ks))
+  results = []
+  total = len(args.ks) * (
+    len(RECIPES) + args.repeats * (args.warmup + args.rounds)
   )
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  n_dev = jax.device_count()
-  mesh = jax.make_mesh((n_dev,), ("data",), axis_types=(AxisType.Auto,))
-  replicated = NamedSharding(mesh, P())
-  by_device = NamedSharding(mesh, P("data"))
-  width, batch = args.width, args.per_device_batch * n_dev
-
-  def init_params():
-    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
-    return {
-      "w1": jax.random.normal(k1, (width, width)) / np.sqrt(width),
-      "b1": jnp.zeros(width),
-      "w2": jax.random.normal(k2, (width, width)) / np.sqrt(width),
-      "b2": jnp.zeros(width),
-    }
-
-  def loss(params, x, y):
-    h = jnp.tanh(x @ params["w1"] + params["b1"][None])
-    return jnp.mean((h @ params["w2"] + params["b2"][None] - y) ** 2)
-
-  # SGD with momentum: linear in the gradient, so the recipes' params can be
-  # compared tightly at the end (adam's normalisation would hide errors).
-  inner = optax.sgd(1e-2, momentum=0.9)
-  # The fields of the state holding this device's own sums in a cycle.
-  local_fields = ("acc_grads", "acc_weight", "noise_sq_norm_sum", "noise_count")
-
-  def build(recipe: str, k: int):
-    """(jitted micro-step, params, state) for one recipe."""
-    params = jax.device_put(init_params(), replicated)
-    if recipe == "gspmd":
-      tx = optax_accum.accumulate(inner, k)
-
-      def gspmd_step(params, state, x, y):
-        updates, state = tx.update(jax.grad(loss)(params, x, y), state, params)
-        return optax.apply_updates(params, updates), state
-
-      state = jax.jit(
-        tx.init, out_shardings=optax_accum.state_shardings(tx, params)
-      )(params)
-      return jax.jit(gspmd_step, donate_argnums=(0, 1)), params, state
-
-    deferred = recipe == "axis_name"
-    tx = optax_accum.accumulate(
-      inner, k, axis_name="data" if deferred else None
-    )
-    # With a gradient reduced every micro-batch the whole state is the same
-    # on every device: replicated.
-    fields = local_fields if deferred else ()
-    specs = optax_accum.AccumulateState(
-      **{
-        f: P("data") if f in fields else P()
-        for f in optax_accum.AccumulateState._fields
-      }
-    )
-
-    def per_device(state, fn):
-      return state._replace(
-        **{f: jax.tree.map(fn, getattr(state, f)) for f in fields}
-      )
-
-    def local_step(params, state, x, y):
-      state = per_device(state, lambda a: a[0])
-      # Varying params: jax.grad returns the local gradient instead of
-      # all-reducing it itself on every micro-batch.
-      grad = jax.grad(loss)(lax.pcast(params, "data", to="varying"), x, y)
-      if not deferred:
-        grad = lax.pmean(grad, "data")
-      updates, state = tx.update(grad, state, params)
-      params = optax.apply_updates(params, updates)
-      return params, per_device(state, lambda a: a[None])
-
-    init = jax.jit(
-      jax.shard_map(
-        lambda p: per_device(tx.init(p), lambda a: a[None]),
-        mesh=mesh,
-        in_specs=P(),
-        out_specs=specs,
-      )
-    )
-    step = jax.jit(
-      jax.shard_map(
-        local_step,
-        mesh=mesh,
-        in_specs=(P(), specs, P("data"), P("data")),
-        out_specs=(P(), specs),
-      ),
-      donate_argnums=(0, 1),
-    )
-    return step, params, init(params)
-
-  rng = np.random.default_rng(0)
-  micro = [
-    jax.device_put(
-      (
-        rng.normal(size=(batch, width)).astype(np.float32),
-        rng.normal(size=(batch, width)).astype(np.float32),
-      ),
-      by_device,
-    )
-    for _ in range(max(args.ks))
-  ]
-
-  param_bytes = sum(
-    int(p.size) * p.dtype.itemsize for p in jax.tree.leaves(init_params())
-  )
-  results: dict[tuple[str, int], dict[str, Any]] = {}
-  runs: dict[tuple[str, int], list] = {}
-  total = len(RECIPES) * len(args.ks) * (1 + args.warmup + args.rounds)
-  with Progress(transient=False) as progress:
-    task = progress.add_task("compile", total=total)
+  with Progress(console=console) as progress:
+    task = progress.add_task("bench_comm", total=total)
     for k in args.ks:
-      for recipe in RECIPES:
-        step, params, state = build(recipe, k)
-        text = step.lower(params, state, *micro[0]).compile().as_text()
-        traffic = all_reduce_traffic(text)
-        results[recipe, k] = {
-          "recipe": recipe,
-          "k": k,
-          **traffic,
-          "ops_per_step": k * traffic["always_ops"] + traffic["branch_ops"],
-          "bytes_per_step": (
-            k * traffic["always_bytes"] + traffic["branch_bytes"]
-          ),
-          "times": [],
-        }
-        runs[recipe, k] = [step, params, state]
-        progress.advance(task)
-
-    def one_step(recipe, k):
-      step, params, state = runs[recipe, k]
-      seconds = 0.0
-      for i in range(k):
-        t, (params, state) = timed_call(step, params, state, *micro[i])
-        seconds += t
-      runs[recipe, k][1:] = [params, state]
-      return seconds
-
-    for r in range(args.warmup + args.rounds):
-      progress.update(
-        task,
-        description="warm-up"
-        if r < args.warmup
-        else f"round {r - args.warmup + 1}/{args.rounds}",
-      )
-      for k in args.ks:
-        order = RECIPES[r % len(RECIPES) :] + RECIPES[: r % len(RECIPES)]
-        for recipe in order:
-          seconds = one_step(recipe, k)
-          if r >= args.warmup:
-            results[recipe, k]["times"].append(seconds)
-          progress.advance(task)
-
-  # Same data, same maths: the three recipes must reach the same params.
-  for k in args.ks:
-    finals = [jax.device_get(runs[recipe, k][1]) for recipe in RECIPES]
-    for other in finals[1:]:
-      for a, b in zip(
-        jax.tree.leaves(finals[0]), jax.tree.leaves(other), strict=True
-      ):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-
-  rows, table = [], []
-  for k in args.ks:
-    base = results[BASELINE, k]
-    for recipe in RECIPES:
-      res = results[recipe, k]
-      res["time_median_s"] = median(res["times"])
-      res["bytes_ratio_vs_baseline"] = (
-        res["bytes_per_step"] / base["bytes_per_step"]
-        if base["bytes_per_step"]
-        else float("nan")
-      )
-      res["time_ratio_vs_baseline"] = res["time_median_s"] / median(
-        base["times"]
-      )
-      rows.append(res)
-      table.append(
-        [
-          recipe,
-          k,
-          res["ops_per_step"],
-          fmt(res["bytes_per_step"] / 2**20, 2),
-          fmt(res["bytes_ratio_vs_baseline"], 3),
-          fmt(res["time_median_s"] * 1e3, 1),
-          fmt(res["time_ratio_vs_baseline"], 2),
-        ]
-      )
-  info = machine_info()
-  markdown = (
-    "# All-reduce traffic per optimizer step\n\n"
-    f"{machine_line(info)}\n\n"
-    f"{n_dev} devices, MLP width {width} "
-    f"({param_bytes / 2**20:.2f} MiB of float32 params), "
-    f"{args.per_device_batch} examples per device per micro-batch, "
-    f"SGD with momentum; medians of {args.rounds} rounds. Payload = bytes of the "
-    f"buffers all-reduced per device; ratios against `{BASELINE}`.\n\n"
-    + markdown_table(
-      [
-        "recipe",
-        "k",
-        "all-reduces / step",
-        "payload MiB / step",
-        "payload ratio",
-        "ms / step",
-        "time ratio",
-      ],
-      table,
-    )
-  )
-  others = sum(r["other_collective_ops"] for r in rows)
-  if others:
-    markdown += (
-      f"\nNote: {others} collective ops other than all-reduce were found"
-      " (see the JSON); their bytes are not counted above.\n"
-    )
-  fig, (ax_bytes, ax_time) = plt.subplots(1, 2, figsize=(10, 4))
-  for recipe in RECIPES:
-    ks = list(args.ks)
-    ax_bytes.plot(
-      ks,
-      [results[recipe, k]["bytes_per_step"] / 2**20 for k in ks],
-      marker="o",
-      label=recipe,
-    )
-    ax_time.plot(
-      ks,
-      [results[recipe, k]["time_median_s"] * 1e3 for k in ks],
-      marker="o",
-      label=recipe,
-    )
-  for ax, label in (
-    (ax_bytes, "all-reduce payload per step (MiB)"),
-    (ax_time, "time per optimizer step (ms)"),
-  ):
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("k (micro-batches per step)")
-    ax.set_ylabel(label)
-    ax.legend()
-  fig.suptitle(f"{n_dev} host devices, {param_bytes / 2**20:.1f} MiB params")
+      progress.update(task, description=f"k={k}")
+      results += measure_k(k, problem, args, lambda: progress.advance(task))
   payload = {
     "benchmark": "bench_comm",
-    "machine": info,
-    "config": {**vars(args), "devices": n_dev, "param_bytes": param_bytes},
-    "results": rows,
+    "machine": machine_info(),
+    "args": vars(args),
+    "config": {
+      "devices": jax.device_count(),
+      "param_bytes": tree_bytes(problem.params),
+    },
+    "results": results,
   }
-  paths = write_outputs(args.out, "bench_comm", payload, markdown, fig)
-  print(markdown)
-  print("wrote", ", ".join(str(p) for p in paths))
+  console.print(console_table(payload))
+  paths = write_outputs(
+    args.out, "bench_comm", payload, markdown_report(payload), figure(payload)
+  )
+  console.print("Wrote " + ", ".join(str(p) for p in paths))
   return 0
 
 

@@ -51,12 +51,16 @@ import jax.numpy as jnp
 import optax
 from _common import (
   MB,
+  add_run_arguments,
   compiled_memory,
   fmt,
+  fmt_spread,
+  interleaved,
   machine_info,
   machine_line,
   markdown_table,
   median,
+  spread,
   timed_call,
   tree_bytes,
   write_outputs,
@@ -271,14 +275,18 @@ def measure(
   micro_batch: int,
   rounds: int,
   warmup: int,
+  repeats: int,
   advance: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
-  """Times and compiled memory of every variant for one configuration."""
+  """Times and compiled memory of every variant for one configuration.
+
+  The variants are compiled once; each repeat then times them afresh
+  (warm-up, then interleaved rounds). Reported times and ratios are medians
+  over repeats, with their min-max under ``"spread"``.
+  """
   problem = make_problem(config.size_mb, DTYPES[config.dtype], micro_batch)
-  k = config.k
-  runners = {}
-  memory = {}
-  for name, tx in make_variants(config.optimizer, k).items():
+  runners, memory = {}, {}
+  for name, tx in make_variants(config.optimizer, config.k).items():
     params = jax.tree.map(jnp.copy, problem.params)
     state = tx.init(params)
     compiled = (
@@ -288,74 +296,137 @@ def measure(
     runners[name] = [compiled, params, state]
     advance()
 
-  names = list(runners)
+  param_bytes = tree_bytes(problem.params)
+  result = {
+    **dataclasses.asdict(config),
+    "width": problem.width,
+    "layers": problem.layers,
+    "param_bytes": param_bytes,
+    "accumulator_bytes": param_bytes
+    * 4
+    // jnp.dtype(DTYPES[config.dtype]).itemsize,
+  }
+  per_repeat = []
+  for _ in range(repeats):
+    variants = time_variants(
+      runners, problem.batch, config.k, rounds, warmup, advance
+    )
+    for name, v in variants.items():
+      v["memory"] = memory[name]
+    per_repeat.append({**result, "variants": variants})
+  del runners
+
+  result["variants"] = {
+    name: {
+      "memory": memory[name],
+      **{
+        what: _median_or_none([r["variants"][name][what] for r in per_repeat])
+        for what in TIMES
+      },
+    }
+    for name in memory
+  }
+  repeat_ratios = [ratios(r) for r in per_repeat]
+  result["ratios"] = _median_tree(repeat_ratios)
+  result["spread"] = {
+    "times_ms": {
+      name: {
+        what: spread([r["variants"][name][what] for r in per_repeat])
+        for what in TIMES
+      }
+      for name in memory
+    },
+    "ratios": {
+      name: spread([r[name] for r in repeat_ratios])
+      for name in repeat_ratios[0]
+      if not isinstance(repeat_ratios[0][name], dict)
+    },
+  }
+  result["checks"] = checks(result["ratios"], config.k)
+  return result
+
+
+TIMES = ("micro_ms", "emit_ms", "call_ms", "cycle_mean_ms")
+
+
+def _median_or_none(values):
+  kept = [v for v in values if v is not None]
+  return median(kept) if kept else None
+
+
+def _median_tree(dicts: list[dict[str, Any]]) -> dict[str, Any]:
+  """Element-wise median of dicts of numbers (or of such dicts)."""
+  out = {}
+  for key, value in dicts[0].items():
+    if isinstance(value, dict):
+      out[key] = _median_tree([d[key] for d in dicts])
+    else:
+      out[key] = _median_or_none([d[key] for d in dicts])
+  return out
+
+
+def time_variants(
+  runners: dict[str, list],
+  batch: Any,
+  k: int,
+  rounds: int,
+  warmup: int,
+  advance: Callable[[], None],
+) -> dict[str, dict[str, Any]]:
+  """One repeat: each variant's per-call times over interleaved rounds."""
   # At least MIN_CALLS_PER_ROUND calls a variant a round (whole cycles), so
   # that k=1 gets as many samples as k=4.
   cycles = max(1, math.ceil(MIN_CALLS_PER_ROUND / k))
-  # times[name][i]: seconds of call i of the cycle, over all rounds.
-  times = {name: [[] for _ in range(k)] for name in names}
-  # per_round[name]: each round's medians (micro, emit, call) and mean call.
-  per_round = {name: [] for name in names}
-  for r in range(warmup + rounds):
-    shift = r % len(names)
-    for name in names[shift:] + names[:shift]:
+
+  def turn(name):
+    def run(_):
       compiled, params, state = runners[name]
       calls = []
       for _ in range(cycles):
         for _ in range(k):
-          seconds, (params, state) = timed_call(
-            compiled, params, state, problem.batch
-          )
+          seconds, (params, state) = timed_call(compiled, params, state, batch)
           calls.append(seconds)
         if name.startswith("accumulate") and not bool(
           optax_accum.has_updated(state)
         ):
           raise RuntimeError(f"{name}: the last call of a cycle did not emit.")
       runners[name][1:] = [params, state]
-      if r >= warmup:
-        # The first call of a turn finds the caches full of the previous
-        # variant's buffers: it is left out of every variant's statistics.
-        kept = list(enumerate(calls))[1:]
-        for i, seconds in kept:
-          times[name][i % k].append(seconds)
-        micro = [t for i, t in kept if i % k != k - 1]
-        per_round[name].append(
-          {
-            "micro": median(micro) if k > 1 else None,
-            "emit": median([t for i, t in kept if i % k == k - 1]),
-            "call": median([t for _, t in kept]),
-            "mean": sum(calls) / len(calls),
-          }
-        )
-    advance()
+      # The first call of a turn finds the caches full of the previous
+      # variant's buffers: it is left out of every variant's statistics.
+      return list(enumerate(calls))[1:]
 
+    return run
+
+  turns = interleaved(
+    {name: turn(name) for name in runners},
+    rounds=rounds,
+    warmup=warmup,
+    advance=advance,
+  )
   variants = {}
-  for name in names:
-    per_call = times[name]
-    micro = [t for i in range(k - 1) for t in per_call[i]]
+  for name, per_turn in turns.items():
+    calls = [call for kept in per_turn for call in kept]
+    micro = [t for i, t in calls if i % k != k - 1]
     variants[name] = {
       "micro_ms": 1e3 * median(micro) if k > 1 else None,
-      "emit_ms": 1e3 * median(per_call[-1]),
-      "call_ms": 1e3 * median([t for ts in per_call for t in ts]),
-      "cycle_mean_ms": 1e3 * median([x["mean"] for x in per_round[name]]),
-      "rounds": per_round[name],
-      "memory": memory[name],
+      "emit_ms": 1e3 * median([t for i, t in calls if i % k == k - 1]),
+      "call_ms": 1e3 * median([t for _, t in calls]),
+      "cycle_mean_ms": 1e3
+      * median([sum(t for _, t in kept) / len(kept) for kept in per_turn]),
+      # Each round's medians, for ratios paired by round.
+      "rounds": [
+        {
+          "micro": median([t for i, t in kept if i % k != k - 1])
+          if k > 1
+          else None,
+          "emit": median([t for i, t in kept if i % k == k - 1]),
+          "call": median([t for _, t in kept]),
+          "mean": sum(t for _, t in kept) / len(kept),
+        }
+        for kept in per_turn
+      ],
     }
-  del runners
-
-  param_bytes = tree_bytes(problem.params)
-  acc_bytes = param_bytes * 4 // jnp.dtype(DTYPES[config.dtype]).itemsize
-  result = {
-    **dataclasses.asdict(config),
-    "width": problem.width,
-    "layers": problem.layers,
-    "param_bytes": param_bytes,
-    "accumulator_bytes": acc_bytes,
-    "variants": variants,
-  }
-  result["ratios"] = ratios(result)
-  result["checks"] = checks(result["ratios"], k)
-  return result
+  return variants
 
 
 def ratios(result: dict[str, Any]) -> dict[str, Any]:
@@ -430,7 +501,8 @@ def _check_cell(result: dict[str, Any], name: str) -> str:
   check = result["checks"].get(name)
   if check is None:
     return "-"
-  return f"{check['value']:.2f} {'PASS' if check['pass'] else 'FAIL'}"
+  value = fmt_spread(result["spread"]["ratios"][name])
+  return f"{value} {'PASS' if check['pass'] else 'FAIL'}"
 
 
 def markdown_report(payload: dict[str, Any]) -> str:
@@ -504,11 +576,13 @@ def markdown_report(payload: dict[str, Any]) -> str:
       "",
       f"Machine: {machine_line(payload['machine'])}.",
       "",
-      f"Model: square tanh layers, micro-batch {a['micro_batch']}; medians"
-      f" of {a['rounds']} interleaved rounds after {a['warmup']} warm-up"
-      " rounds; each round runs whole cycles of k calls (>= 4 calls) per"
-      " variant, the first call of each turn left out. Times in ms. A ratio"
-      " is the median over rounds of that round's ratio of medians."
+      f"Model: square tanh layers, micro-batch {a['micro_batch']}."
+      f" {a['repeats']} repeats, each {a['warmup']} warm-up round(s) then"
+      f" {a['rounds']} interleaved rounds; each round runs whole cycles of"
+      " k calls (>= 4 calls) per variant, the first call of each turn left"
+      " out. Times in ms. A ratio is the median over rounds of that round's"
+      " ratio of medians; tables show the median over repeats and, in"
+      " brackets, their min-max."
       " Footprint = argument + temp + output - alias bytes of the compiled"
       " step.",
       "",
@@ -554,8 +628,10 @@ def figure(payload: dict[str, Any]) -> Any:
   ]
   shown = ("accumulate", "accumulate+noise", "MultiSteps", "apply_every")
   colors = dict(zip(shown, ("C0", "C1", "C3", "C2"), strict=True))
-  # Distinct markers: equal values (e.g. the same extra memory) stay visible.
+  # Distinct markers and a small horizontal offset per variant: equal values
+  # (accumulate and accumulate+noise often coincide) stay visible.
   markers = dict(zip(shown, ("o", "s", "^", "x"), strict=True))
+  offsets = dict(zip(shown, (0.94, 1.0, 1.06, 1.12), strict=True))
   fig = Figure(figsize=(4.2 * len(panels), 3.2 * len(rows)))
   axes = fig.subplots(len(rows), len(panels), squeeze=False)
   ks = sorted({r["k"] for r in results})
@@ -573,7 +649,7 @@ def figure(payload: dict[str, Any]) -> Any:
         if points:
           xs, ys = zip(*sorted(points), strict=True)
           ax.plot(
-            xs,
+            [x * offsets[name] for x in xs],
             ys,
             styles[k],
             marker=markers[name],
@@ -583,22 +659,39 @@ def figure(payload: dict[str, Any]) -> Any:
           )
       if target is not None:
         ax.axhline(target, color="gray", lw=0.8, ls=":")
+        ax.annotate(
+          f"target {target}",
+          (0.01, target),
+          xycoords=("axes fraction", "data"),
+          va="bottom",
+          fontsize=7,
+          color="gray",
+        )
       ax.set_xscale("log", base=2)
       ax.set_xlabel("params (MB)")
       ax.set_ylabel(title)
       ax.set_title(f"{opt}, {dtype}", fontsize=9)
-  axes[1][-1].legend(fontsize=7)
+  # One legend, below the panels: it covers no data.
+  handles, labels = axes[1][0].get_legend_handles_labels()
+  fig.legend(
+    handles,
+    labels,
+    loc="lower center",
+    ncol=min(4, len(labels)),
+    fontsize=7,
+    bbox_to_anchor=(0.5, 0.0),
+  )
   fig.suptitle(
     f"bench_step on {payload['machine']['backend']}"
     f" ({payload['machine']['cpu_count']} CPUs)",
     fontsize=10,
   )
-  fig.tight_layout()
+  fig.tight_layout(rect=(0, 0.06, 1, 1))
   return fig
 
 
 def console_table(results: list[dict[str, Any]]) -> Table:
-  table = Table(title="accumulate vs targets (median of per-round ratios)")
+  table = Table(title="accumulate vs targets (medians over repeats)")
   table.add_column("config")
   for col, _, op, t in TARGETS.values():
     table.add_column(f"{col}\n{op} {t}", justify="right")
@@ -611,8 +704,9 @@ def console_table(results: list[dict[str, Any]]) -> Table:
       else:
         color = "green" if check["pass"] else "red"
         cells.append(f"[{color}]{check['value']:.2f}[/{color}]")
+    dtype = {"float32": "f32", "bfloat16": "bf16"}[r["dtype"]]
     table.add_row(
-      f"{r['optimizer']} {r['dtype']} {r['param_bytes'] / MB:g}MB k={r['k']}",
+      f"{r['optimizer']} {dtype} {r['param_bytes'] / MB:g}MB k={r['k']}",
       *cells,
     )
   return table
@@ -670,20 +764,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser.add_argument(
     "--micro-batch", type=int, default=8, help="examples per micro-batch"
   )
-  parser.add_argument(
-    "--rounds",
-    type=int,
-    default=12,
-    help="timed rounds (one cycle per variant each)",
-  )
-  parser.add_argument(
-    "--warmup", type=int, default=2, help="untimed rounds first"
-  )
-  parser.add_argument(
-    "--out",
-    default="bench_out",
-    help="output folder for bench_step.{json,md,png}",
-  )
+  add_run_arguments(parser, rounds=4, warmup=1, repeats=3)
   parser.add_argument(
     "--strict",
     action="store_true",
@@ -699,23 +780,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(given) - set(allowed))
     if unknown:
       parser.error(f"{name}: unknown {unknown}, choose from {list(allowed)}")
-  if min(args.ks) < 1 or args.rounds < 1 or args.warmup < 0:
-    parser.error("--ks must be >= 1, --rounds >= 1 and --warmup >= 0")
+  if min(args.ks) < 1:
+    parser.error(f"--ks must be >= 1, got {args.ks}")
   return args
 
 
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
   console = Console()
-  if not console.is_terminal:  # a log file: no need to wrap at 80 columns
-    console = Console(width=160)
+  if not console.is_terminal:  # a log file: 100 columns
+    console = Console(width=100)
   configs = [
     Config(opt, dtype, size, k)
     for opt, dtype, size, k in itertools.product(
       args.optimizers, args.dtypes, args.sizes_mb, args.ks
     )
   ]
-  steps_per_config = len(VARIANTS) + args.warmup + args.rounds
+  steps_per_config = len(VARIANTS) + args.repeats * (args.warmup + args.rounds)
   results = []
   with Progress(console=console, transient=False) as progress:
     task = progress.add_task(
@@ -729,6 +810,7 @@ def main(argv: list[str] | None = None) -> int:
           micro_batch=args.micro_batch,
           rounds=args.rounds,
           warmup=args.warmup,
+          repeats=args.repeats,
           advance=lambda: progress.advance(task),
         )
       )

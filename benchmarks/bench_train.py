@@ -40,12 +40,16 @@ import numpy as np
 import optax
 from _common import (
   MB,
+  add_run_arguments,
   compiled_memory,
   fmt,
+  fmt_spread,
+  interleaved,
   machine_info,
   machine_line,
   markdown_table,
   median,
+  spread,
   timed_call,
   tree_bytes,
   write_outputs,
@@ -336,38 +340,61 @@ def measure_k(
   for name, method in methods.items():
     params = jax.tree.map(jnp.copy, init)
     runners[name] = [params, method.tx.init(params)]
-  seconds = {name: [] for name in methods}
-  names = list(methods)
   tokens_per_step = k * args.micro_batch * cfg.seq_len
-  step_index = 0
-  for r in range(args.warmup + args.rounds):
-    shift = r % max(len(names), 1)
-    for name in names[shift:] + names[:shift]:
+  steps_done = {"count": 0}
+
+  def turn(name):
+    def run(r):
       params, state = runners[name]
       elapsed = 0.0
       for s in range(args.steps):
-        tokens = batches_for_step(data, step_index + s, k, args.micro_batch)
+        start = steps_done["count"] + r * args.steps + s
+        tokens = batches_for_step(data, start, k, args.micro_batch)
         t, (params, state, _) = timed_call(
           run_step, methods[name], params, state, tokens
         )
         elapsed += t
       runners[name] = [params, state]
-      if r >= args.warmup:
-        seconds[name].append(elapsed / args.steps)
-    step_index += args.steps
-    advance()
+      return elapsed / args.steps
+
+    return run
+
+  # Each repeat: the median step time of its rounds, per method.
+  repeats = []
+  for _ in range(args.repeats):
+    seconds = interleaved(
+      {name: turn(name) for name in methods},
+      rounds=args.rounds,
+      warmup=args.warmup,
+      advance=advance,
+    )
+    steps_done["count"] += (args.rounds + args.warmup) * args.steps
+    repeats.append({name: median(seconds[name]) for name in methods})
 
   results = {}
   for name in METHODS:
     entry = {"memory": memory[name], "skipped": skipped.get(name)}
-    if name in seconds:
-      step_s = median(seconds[name])
-      entry.update(step_ms=1e3 * step_s, tokens_per_s=tokens_per_step / step_s)
+    if name in methods:
+      step_s = median([r[name] for r in repeats])
+      entry.update(
+        step_ms=1e3 * step_s,
+        tokens_per_s=tokens_per_step / step_s,
+        tokens_per_s_spread=spread(
+          [tokens_per_step / r[name] for r in repeats]
+        ),
+      )
+      if "big batch" in methods:
+        entry["vs_big_batch_spread"] = spread(
+          [r[name] / r["big batch"] for r in repeats]
+        )
     results[name] = entry
-  big = results["big batch"].get("tokens_per_s")
   for entry in results.values():
-    tps = entry.get("tokens_per_s")
-    entry["vs_big_batch"] = tps / big if tps and big else None
+    # Throughput ratio = inverse step-time ratio, paired within a repeat.
+    s = entry.pop("vs_big_batch_spread", None)
+    if s is not None:
+      s = spread([1 / v for v in s["values"]])
+    entry["vs_big_batch"] = s["median"] if s else None
+    entry["vs_big_batch_spread"] = s
   return {"k": k, "tokens_per_step": tokens_per_step, "methods": results}
 
 
@@ -482,8 +509,12 @@ def markdown_report(payload: dict[str, Any]) -> str:
           r["k"],
           name,
           r["k"] * a["micro_batch"],
-          fmt(m.get("tokens_per_s"), 0) if not m["skipped"] else m["skipped"],
-          fmt(m.get("vs_big_batch")),
+          fmt_spread(m["tokens_per_s_spread"], 0)
+          if not m["skipped"]
+          else m["skipped"],
+          fmt_spread(m["vs_big_batch_spread"])
+          if m.get("vs_big_batch_spread")
+          else "-",
           fmt(m["memory"]["footprint"] / MB, 1),
         ]
       )
@@ -513,9 +544,10 @@ def markdown_report(payload: dict[str, Any]) -> str:
       f" heads, d_ff {m['d_ff']}, vocab {m['vocab']}, sequence"
       f" {m['seq_len']}; {m['param_bytes'] / MB:.2f} MB of float32 params."
       f" Optimizer: clip_by_global_norm(1) + adamw({a['learning_rate']})."
-      f" Micro-batch: {a['micro_batch']} sequences. Medians of"
-      f" {a['rounds']} interleaved rounds of {a['steps']} optimizer step(s)"
-      f" after {a['warmup']} warm-up round(s). Memory budget:"
+      f" Micro-batch: {a['micro_batch']} sequences. {a['repeats']} repeats"
+      f" of {a['warmup']} warm-up then {a['rounds']} interleaved rounds of"
+      f" {a['steps']} optimizer step(s); median over repeats (min-max) of"
+      " each repeat's median; ratios paired within a repeat. Memory budget:"
       f" {a['memory_budget_mb']:g} MB (compiled footprint = argument + temp"
       " + output - alias bytes).",
       "",
@@ -652,10 +684,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     default=1,
     help="optimizer steps per method per timed round",
   )
-  parser.add_argument("--rounds", type=int, default=7, help="timed rounds")
-  parser.add_argument(
-    "--warmup", type=int, default=1, help="untimed rounds first"
-  )
+  add_run_arguments(parser, rounds=3, warmup=1, repeats=3)
   parser.add_argument(
     "--memory-budget-mb",
     type=float,
@@ -682,11 +711,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     help="largest acceptable max |params difference| to the big batch",
   )
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument(
-    "--out",
-    default="bench_out",
-    help="output folder for bench_train.{json,md,png}",
-  )
   args = parser.parse_args(argv)
   if min(args.ks) < 1 or args.rounds < 1 or args.steps < 1:
     parser.error("--ks, --rounds and --steps must be >= 1")
@@ -698,8 +722,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
   console = Console()
-  if not console.is_terminal:  # a log file: no need to wrap at 80 columns
-    console = Console(width=160)
+  if not console.is_terminal:  # a log file: 100 columns
+    console = Console(width=100)
   cfg = ModelConfig(
     vocab=args.vocab,
     seq_len=args.seq_len,
@@ -715,7 +739,9 @@ def main(argv: list[str] | None = None) -> int:
   data = make_data(cfg, max(4 * rows_needed, 512), args.seed)
 
   total = (
-    sum(len(METHODS) + args.warmup + args.rounds for _ in args.ks)
+    sum(
+      len(METHODS) + args.repeats * (args.warmup + args.rounds) for _ in args.ks
+    )
     + len(METHODS)
     - 1  # the budget search, MultiSteps excluded
   )

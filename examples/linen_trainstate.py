@@ -23,6 +23,7 @@ the parameters of one big batch.
   python examples/linen_trainstate.py
 """
 
+import argparse
 from typing import Any
 
 import flax.linen as nn
@@ -121,4 +122,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+  # No options: --help prints what the example shows.
+  argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  ).parse_args()
   main()

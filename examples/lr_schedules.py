@@ -17,6 +17,8 @@ placements, and checks them.
   python examples/lr_schedules.py
 """
 
+import argparse
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,4 +88,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+  # No options: --help prints what the example shows.
+  argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  ).parse_args()
   main()

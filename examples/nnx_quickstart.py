@@ -18,6 +18,8 @@ the parameters of one big batch.
   python examples/nnx_quickstart.py
 """
 
+import argparse
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,4 +99,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+  # No options: --help prints what the example shows.
+  argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  ).parse_args()
   main()

@@ -32,27 +32,15 @@ Every process checks its params against one big batch on one device (built
 from every process's data with ``process_allgather``; only for the check).
 """
 
+import argparse
 import os
+import socket
+import subprocess
 import sys
-
-# Before JAX starts: 8 simulated devices unless the caller (or --spawn)
-# chose a count.
-if "xla_force_host_platform_device_count" not in os.environ.get(
-  "XLA_FLAGS", ""
-):
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8"
-  ).strip()
-
-import argparse  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
+import time
+from collections.abc import Sequence
 
 AXIS = "data"
-LOCAL_FIELDS = ("acc_grads", "acc_weight", "noise_sq_norm_sum", "noise_count")
 SEQ, DIM, OUT = 8, 16, 4
 
 
@@ -71,8 +59,8 @@ def _parse_args(argv):
   parser.add_argument(
     "--local-devices",
     type=int,
-    default=2,
-    help="CPU devices per spawned process",
+    default=None,
+    help="CPU devices per process (default: 2 with --spawn, else 8)",
   )
   parser.add_argument(
     "--timeout",
@@ -103,10 +91,8 @@ def spawn(args) -> int:
     f"--every-k={args.every_k}",
     f"--per-device-batch={args.per_device_batch}",
   ]
+  training.append(f"--local-devices={args.local_devices or 2}")
   env = dict(os.environ)
-  env["XLA_FLAGS"] = (
-    f"--xla_force_host_platform_device_count={args.local_devices}"
-  )
   env["JAX_PLATFORMS"] = "cpu"
   procs = []
   try:
@@ -159,6 +145,8 @@ def spawn(args) -> int:
 def train(args) -> float:
   import jax
 
+  # Simulated CPU devices; JAX starts its backend at the first operation.
+  jax.config.update("jax_num_cpu_devices", args.local_devices or 8)
   if args.coordinator:
     # CPU collectives across processes; GPUs and TPUs bring their own.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -181,17 +169,6 @@ def train(args) -> float:
 
   n_dev, rank = jax.device_count(), jax.process_index()
   mesh = jax.make_mesh((n_dev,), (AXIS,), axis_types=(AxisType.Auto,))
-  specs = optax_accum.AccumulateState(
-    **{
-      f: P(AXIS) if f in LOCAL_FIELDS else P()
-      for f in optax_accum.AccumulateState._fields
-    }
-  )
-
-  def per_device(state, fn):
-    return state._replace(
-      **{f: jax.tree.map(fn, getattr(state, f)) for f in LOCAL_FIELDS}
-    )
 
   def loss_fn(params, x, y, mask):
     pred = jnp.einsum("btd,do->bto", x, params["w"]) + params["b"][None, None]
@@ -208,17 +185,19 @@ def train(args) -> float:
     grads, tokens = jax.grad(loss_fn, has_aux=True)(
       lax.pcast(params, AXIS, to="varying"), x, y, mask
     )
-    updates, state = tx.update(
-      grads, per_device(state, lambda a: a[0]), params, weight=tokens
-    )
-    return (
-      optax.apply_updates(params, updates),
-      per_device(state, lambda a: a[None]),
-    )
+    state = optax_accum.drop_device_axis(state)
+    updates, state = tx.update(grads, state, params, weight=tokens)
+    state = optax_accum.add_device_axis(state)
+    return optax.apply_updates(params, updates), state
 
+  params0 = {
+    "w": np.zeros((DIM, OUT), np.float32),
+    "b": np.zeros(OUT, np.float32),
+  }
+  specs = optax_accum.shard_map_specs(jax.eval_shape(tx.init, params0), AXIS)
   init = jax.jit(
     jax.shard_map(
-      lambda p: per_device(tx.init(p), lambda a: a[None]),
+      lambda p: optax_accum.add_device_axis(tx.init(p)),
       mesh=mesh,
       in_specs=P(),
       out_specs=specs,
@@ -234,10 +213,6 @@ def train(args) -> float:
     donate_argnums=(0, 1),
   )
 
-  params0 = {
-    "w": np.zeros((DIM, OUT), np.float32),
-    "b": np.zeros(OUT, np.float32),
-  }
   params = jax.device_put(params0, NamedSharding(mesh, P()))
   state = init(params)
 

@@ -10,13 +10,11 @@ micro-batch, or a ``pmean`` of every micro-batch gradient) all-reduces ``k``
 times as many bytes.
 
 The state layout. Between steps the state lives outside ``shard_map`` as
-global arrays, so each field needs a ``PartitionSpec``:
-
-* ``acc_grads``, ``acc_weight``, ``noise_sq_norm_sum``, ``noise_count``
-  hold this device's own sums during a cycle: they get a leading device axis
-  (global shape ``(n_devices, *local_shape)``, spec ``P("data")``);
-* every other field (``micro_step``, ``step``, ``inner_state``, ...) is the
-  same on every device: replicated, ``P()``.
+global arrays. The leaves holding this device's own sums during a cycle get
+a leading device axis (spec ``P("data")``); every other leaf is the same on
+every device (``P()``). ``optax_accum.shard_map_specs`` gives these specs,
+and ``optax_accum.add_device_axis`` / ``drop_device_axis`` convert inside
+``shard_map``: nothing here needs to know which fields are which.
 
 Run it to see the specs, train a token-weighted linear model for a few steps
 on 8 simulated CPU devices, and check the params against one big batch on
@@ -25,60 +23,24 @@ one device::
   python examples/scaling_shard_map.py [--steps 3] [--every-k 4]
 """
 
-import os
+import argparse
+from collections.abc import Sequence
 
-# Before JAX starts: 8 simulated devices unless the caller chose a count.
-if "xla_force_host_platform_device_count" not in os.environ.get(
-  "XLA_FLAGS", ""
-):
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8"
-  ).strip()
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import argparse  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
+import optax_accum
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import optax_accum  # noqa: E402
+# 8 simulated CPU devices; JAX starts its backend at the first operation.
+jax.config.update("jax_num_cpu_devices", 8)
 
 AXIS = "data"
-# The fields holding this device's own, unreduced sums during a cycle.
-LOCAL_FIELDS = ("acc_grads", "acc_weight", "noise_sq_norm_sum", "noise_count")
 SEQ, DIM, OUT = 8, 16, 4
-
-
-def state_specs() -> optax_accum.AccumulateState:
-  """The PartitionSpec of each state field (a prefix of the state tree)."""
-  return optax_accum.AccumulateState(
-    **{
-      field: P(AXIS) if field in LOCAL_FIELDS else P()
-      for field in optax_accum.AccumulateState._fields
-    }
-  )
-
-
-def _map_local(state, fn):
-  return state._replace(
-    **{f: jax.tree.map(fn, getattr(state, f)) for f in LOCAL_FIELDS}
-  )
-
-
-def to_global(state):
-  """Inside shard_map: gives the per-device fields their device axis."""
-  return _map_local(state, lambda a: a[None])
-
-
-def to_local(state):
-  """Inside shard_map: drops the per-device fields' device axis."""
-  return _map_local(state, lambda a: a[0])
 
 
 def loss_fn(params, x, y, mask):
@@ -89,18 +51,23 @@ def loss_fn(params, x, y, mask):
   return jnp.sum(err * mask) / jnp.maximum(tokens, 1.0), tokens
 
 
-def make_init(tx, mesh):
+def make_init(tx, mesh, params):
   return jax.jit(
     jax.shard_map(
-      lambda params: to_global(tx.init(params)),
+      lambda params: optax_accum.add_device_axis(tx.init(params)),
       mesh=mesh,
       in_specs=P(),
-      out_specs=state_specs(),
+      out_specs=state_specs(tx, params),
     )
   )
 
 
-def make_train_step(tx, mesh):
+def state_specs(tx, params):
+  """The PartitionSpecs of the state between steps (a prefix of its tree)."""
+  return optax_accum.shard_map_specs(jax.eval_shape(tx.init, params), AXIS)
+
+
+def make_train_step(tx, mesh, params):
   """One micro-batch: params and state in and out, donated."""
 
   def local_step(params, state, x, y, mask):
@@ -113,17 +80,19 @@ def make_train_step(tx, mesh):
     )
     # The local gradient is a mean over this device's tokens: weigh it by
     # them, and the emitted update is the mean over every token of the step.
-    updates, state = tx.update(grads, to_local(state), params, weight=tokens)
+    state = optax_accum.drop_device_axis(state)
+    updates, state = tx.update(grads, state, params, weight=tokens)
     params = optax.apply_updates(params, updates)
     # Per-device loss sums; added up on the host, no collective needed.
-    return params, to_global(state), (loss * tokens)[None], tokens[None]
+    state = optax_accum.add_device_axis(state)
+    return params, state, (loss * tokens)[None], tokens[None]
 
   return jax.jit(
     jax.shard_map(
       local_step,
       mesh=mesh,
-      in_specs=(P(), state_specs(), P(AXIS), P(AXIS), P(AXIS)),
-      out_specs=(P(), state_specs(), P(AXIS), P(AXIS)),
+      in_specs=(P(), state_specs(tx, params), P(AXIS), P(AXIS), P(AXIS)),
+      out_specs=(P(), state_specs(tx, params), P(AXIS), P(AXIS)),
     ),
     donate_argnums=(0, 1),
   )
@@ -179,11 +148,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     "b": np.zeros(OUT, np.float32),
   }
   params = jax.device_put(params0, NamedSharding(mesh, P()))
-  state = make_init(tx, mesh)(params)
+  state = make_init(tx, mesh, params0)(params)
   print(f"{n_dev} devices, k={args.every_k}")
   print_layout(state)
 
-  train_step = make_train_step(tx, mesh)
+  train_step = make_train_step(tx, mesh, params0)
   batch = NamedSharding(mesh, P(AXIS))
   x, y, mask = make_data(
     args.steps, args.every_k, n_dev * args.per_device_batch

@@ -1,6 +1,12 @@
 """optax_accum: gradient accumulation for JAX, as an optax transformation."""
 
 from optax_accum._accumulate import accumulate as accumulate
+from optax_accum._accumulate import inner_for_every_k as inner_for_every_k
+from optax_accum._every_k import grow_every_k as grow_every_k
+from optax_accum._every_k import piecewise_every_k as piecewise_every_k
+from optax_accum._layout import add_device_axis as add_device_axis
+from optax_accum._layout import drop_device_axis as drop_device_axis
+from optax_accum._layout import shard_map_specs as shard_map_specs
 from optax_accum._microbatch import microbatch as microbatch
 from optax_accum._noise_scale import noise_scale as noise_scale
 from optax_accum._noise_scale import (
@@ -8,16 +14,32 @@ from optax_accum._noise_scale import (
 )
 from optax_accum._sharding import state_shardings as state_shardings
 from optax_accum._state import AccumulateState as AccumulateState
+from optax_accum._state import GrowState as GrowState
+from optax_accum._state import NoiseScaleState as NoiseScaleState
+from optax_accum._state import current_every_k as current_every_k
 from optax_accum._state import has_updated as has_updated
+from optax_accum._state import inner_state as inner_state
+from optax_accum._state import weight_seen as weight_seen
 
 __version__ = "0.1.0"
 
 __all__ = (
   "AccumulateState",
+  "GrowState",
+  "NoiseScaleState",
   "accumulate",
+  "add_device_axis",
+  "current_every_k",
+  "drop_device_axis",
+  "grow_every_k",
   "has_updated",
+  "inner_for_every_k",
+  "inner_state",
   "microbatch",
   "noise_scale",
   "noise_scale_components",
+  "piecewise_every_k",
+  "shard_map_specs",
   "state_shardings",
+  "weight_seen",
 )

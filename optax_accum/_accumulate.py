@@ -1,14 +1,32 @@
 """`accumulate`: gradient accumulation as an optax transformation.
 
-Read top to bottom: argument checks, then ``init``, then ``update``. The step
-is laid out for speed on every backend (see "Why the step looks like this"
-in ``update``): the accumulator add sits outside any control flow, and the
-inner optimizer runs inside a ``lax.cond`` that only emitting calls enter.
+Read top to bottom: the configuration and its checks, the steps of
+``update`` as module-level functions, then :func:`accumulate` itself.
+
+Why the step looks like this. A micro-step should cost a gradient add. On
+XLA:CPU the operands and results of a conditional are materialised buffers,
+which blocks fusing the gradient into the accumulator add and costs a
+parameter-sized buffer for the updates the conditional returns. So:
+
+1. the add happens before and outside the conditional;
+2. the reset is lazy: a new cycle ignores the old contents of the
+   accumulator instead of zeroing them;
+3. the conditional's only big operand and result is the accumulator itself:
+   the emitting branch writes the inner updates into the accumulator's
+   buffer (scratch after emission, thanks to 2) and the holding branch
+   passes it through untouched;
+4. the zero updates of a micro-step are a ``where`` outside the conditional,
+   which fuses with ``optax.apply_updates``.
+
+The inner optimizer still runs only in the emitting branch. The structure
+tests (``tests/test_performance_structure.py``) hold the compiled program
+to these points.
 """
 
-import numbers
+import dataclasses
+import functools
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,59 +34,176 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _checks, _noise_scale, _weighting
+from optax_accum import _checks, _every_k, _noise_scale, _vma, _weighting
 from optax_accum._state import AccumulateState
 
-EveryK = int | Callable[[jax.Array], Any]
+EveryK = int | Callable[..., Any] | _every_k.GrowEveryK
 
 _REDUCTIONS = ("mean", "sum")
 
 
+class InnerForEveryK(NamedTuple):
+  """An inner transformation built for each cycle's k; see
+  :func:`inner_for_every_k`."""
+
+  factory: Callable[[jax.Array], optax.GradientTransformation]
+
+
+def inner_for_every_k(
+  factory: Callable[[jax.Array], optax.GradientTransformation],
+) -> InnerForEveryK:
+  r"""Makes the inner optimizer a function of the cycle's number of micro-batches.
+
+  When ``every_k`` grows during training (a schedule or
+  :func:`grow_every_k`) the batch grows with it, and the learning rate
+  usually should too: OLMo-core multiplies Adam's by
+  :math:`\sqrt{k / k_0}`. Pass ``inner=inner_for_every_k(factory)`` to
+  :func:`accumulate`: each emitting call runs ``factory(k)``, with ``k`` the
+  cycle's ``every_k`` as an ``int32[]``, and ``init`` uses ``factory`` of
+  the first cycle's k. The state's structure must not depend on k (true
+  when k only enters hyperparameters such as the learning rate).
+
+  Args:
+    factory: ``factory(k) -> optax.GradientTransformation``.
+
+  Returns:
+    A value to pass as ``inner``.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(
+    ...     optax_accum.inner_for_every_k(
+    ...         lambda k: optax.sgd(0.1 * jnp.sqrt(k / 2))),
+    ...     every_k=lambda step: 2 * (step + 1))  # k = 2, 4, 6, ...
+    >>> params = jnp.zeros(1)
+    >>> state = tx.init(params)
+    >>> for k in (2, 4):
+    ...   for _ in range(k):
+    ...     updates, state = tx.update(jnp.ones(1), state, params)
+    ...   print(k, updates)
+    2 [-0.1]
+    4 [-0.14142136]
+  """
+  if not callable(factory):
+    raise TypeError(
+      "`factory` must be callable as factory(k) -> GradientTransformation,"
+      f" got {factory!r}."
+    )
+  return InnerForEveryK(factory)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """The validated arguments of :func:`accumulate`."""
+
+  inner: Callable[[Any], optax.GradientTransformationExtraArgs]  # k -> inner
+  every_k: _every_k.Spec
+  reduction: str
+  accumulator_dtype: Any
+  skip_nonfinite: bool
+  axis_name: Hashable | None
+  track_noise_scale: bool
+  noise_scale_decay: float
+
+
 # ----------------------------------------------------------------------------
-# Static configuration checks (construction time).
+# Construction-time checks.
 # ----------------------------------------------------------------------------
 
 
-def _check_every_k(every_k: Any) -> EveryK:
-  """Returns a Python int >= 1 or the schedule; raises naming `every_k`."""
-  if callable(every_k) and not isinstance(every_k, jax.Array):
-    return every_k
-  return _checks.positive_int(
-    every_k, "every_k", " or a schedule (callable(step) -> int)"
-  )
+def _as_transformation(inner: Any) -> optax.GradientTransformationExtraArgs:
+  """`inner` with extra-args support; raises naming `inner` otherwise."""
+  if not isinstance(inner, optax.GradientTransformation):
+    init, update = (getattr(inner, name, None) for name in ("init", "update"))
+    if not (callable(init) and callable(update)):
+      hint = ""
+      if callable(inner):
+        name = getattr(inner, "__name__", "the factory")
+        hint = f" Did you mean to call it, e.g. `{name}(1e-3)`?"
+      raise TypeError(
+        "`inner` must be an optax.GradientTransformation, e.g."
+        f" `optax.adam(1e-3)`; got {inner!r} of type"
+        f" {type(inner).__name__}.{hint}"
+      )
+    inner = optax.GradientTransformation(init, update)
+  return optax.with_extra_args_support(inner)
 
 
-def _check_options(
-  reduction, accumulator_dtype, axis_name, noise_scale_decay
-) -> Any:
-  """Validates the keyword options; returns the accumulator dtype or None."""
+def _check_inner(inner: Any) -> Callable[[Any], Any]:
+  """`k -> inner transformation`; checks a fixed inner at once."""
+  if isinstance(inner, InnerForEveryK):
+    return lambda k: _as_transformation(inner.factory(k))
+  inner = _as_transformation(inner)
+  return lambda k: inner
+
+
+def _check_options(reduction: Any, axis_name: Any) -> None:
   if reduction not in _REDUCTIONS:
     raise ValueError(
       f"`reduction` must be one of {_REDUCTIONS}, got {reduction!r}."
     )
-  accumulator_dtype = _checks.accumulator_dtype(accumulator_dtype)
   if axis_name is not None and not isinstance(axis_name, Hashable):
     raise TypeError(
       "`axis_name` must be None or a hashable axis name (str or tuple),"
       f" got {axis_name!r}."
     )
-  if isinstance(noise_scale_decay, bool) or not (
-    isinstance(noise_scale_decay, numbers.Real) and 0 <= noise_scale_decay < 1
-  ):
-    raise ValueError(
-      f"`noise_scale_decay` must be a float in [0, 1), got"
-      f" {noise_scale_decay!r}."
+
+
+# ----------------------------------------------------------------------------
+# init.
+# ----------------------------------------------------------------------------
+
+
+def _gradient_params(params: optax.Params) -> optax.Params:
+  """The params the gradients are taken with respect to.
+
+  ``optax.lookahead`` keeps ``LookaheadParams(fast, slow)`` and expects
+  gradients with respect to ``fast`` only.
+  """
+  if isinstance(params, optax.LookaheadParams):
+    return params.fast
+  return params
+
+
+def _zeros_like_param(param: Any, accumulator_dtype: Any) -> jax.Array:
+  """A zero accumulator leaf placed like `param`.
+
+  A committed array's sharding is copied; an uncommitted one (created
+  without a device) gives an uncommitted accumulator, as optax's own states.
+  Under ``jit`` an explicit-axes mesh puts the sharding in the tracer's type
+  and ``zeros_like`` keeps it; with auto axes pass
+  ``out_shardings=optax_accum.state_shardings(tx, params)`` to ``jit``.
+  """
+  dtype = _checks.leaf_accumulator_dtype(
+    accumulator_dtype, jnp.result_type(param)
+  )
+  if isinstance(param, jax.Array) and not isinstance(param, jax.core.Tracer):
+    device = param.sharding if param.committed else None
+    return jnp.zeros(param.shape, dtype, device=device)
+  return jnp.zeros_like(param, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------
+# update, step by step.
+# ----------------------------------------------------------------------------
+
+
+def _check_state(state: Any, track_noise_scale: bool) -> None:
+  if not isinstance(state, AccumulateState):
+    raise TypeError(
+      "`state` must be the AccumulateState returned by this"
+      f" transformation's init, got {type(state).__name__}."
     )
-  return accumulator_dtype
-
-
-# ----------------------------------------------------------------------------
-# Trace-time checks.
-# ----------------------------------------------------------------------------
+  if (state.noise is not None) != track_noise_scale:
+    raise ValueError(
+      "`state` was made by an accumulate with"
+      f" track_noise_scale={state.noise is not None}, but this one has"
+      f" track_noise_scale={track_noise_scale}."
+    )
 
 
 def _check_grads_match(grads: Any, acc_grads: Any) -> None:
-  """Raises a ValueError naming the first leaf where the trees differ."""
+  """Raises naming the first leaf where the trees, shapes or kinds differ."""
   grads_flat, grads_def = jax.tree_util.tree_flatten_with_path(grads)
   acc_flat, acc_def = jax.tree_util.tree_flatten_with_path(acc_grads)
   if grads_def != acc_def:
@@ -82,35 +217,211 @@ def _check_grads_match(grads: Any, acc_grads: Any) -> None:
       f" {extra or 'none'}. Got structure {grads_def}, expected {acc_def}."
     )
   for (path, g), (_, a) in zip(grads_flat, acc_flat, strict=True):
+    where = jax.tree_util.keystr(path)
     if np.shape(g) != np.shape(a):
       raise ValueError(
-        f"`updates` leaf {jax.tree_util.keystr(path)} has shape"
-        f" {np.shape(g)}, but the params given to `init` have shape"
-        f" {np.shape(a)} there."
+        f"`updates` leaf {where} has shape {np.shape(g)}, but the params"
+        f" given to `init` have shape {np.shape(a)} there."
+      )
+    if jnp.iscomplexobj(g) and not jnp.iscomplexobj(a):
+      raise TypeError(
+        f"`updates` leaf {where} is complex ({jnp.result_type(g)}) but the"
+        " params given to `init` are real there: the imaginary part would"
+        " be lost. Take real gradients, or make those params complex."
       )
 
 
-def _scalar(value: Any, name: str, dtype: Any) -> jax.Array:
-  """Converts a scalar argument, raising a ValueError naming it otherwise."""
-  value = jnp.asarray(value)
-  if value.ndim != 0:
+def _check_weight(weight: Any) -> jax.Array:
+  """`weight` as a float32[]; raises naming it. Concrete negatives raise."""
+  if isinstance(weight, str | bytes):
+    raise TypeError(f"`weight` must be a real number, got {weight!r}.")
+  w = jnp.asarray(weight)
+  if w.ndim != 0:
     raise ValueError(
-      f"`{name}` must be a scalar (one value per micro-batch), got shape"
-      f" {value.shape}."
+      "`weight` must be a scalar (one value per micro-batch), got shape"
+      f" {w.shape}."
     )
-  return value.astype(dtype)
+  if not (
+    jnp.issubdtype(w.dtype, jnp.integer)
+    or jnp.issubdtype(w.dtype, jnp.floating)
+  ):
+    raise TypeError(
+      f"`weight` must be a real number, got a value of dtype {w.dtype}."
+    )
+  if not isinstance(w, jax.core.Tracer) and np.asarray(w) < 0:
+    raise ValueError(f"`weight` must be >= 0, got {np.asarray(w)}.")
+  return w.astype(jnp.float32)
 
 
-def _sq_norm(tree: Any, scale: Any = 1.0) -> jax.Array:
-  r""":math:`|\text{scale} \cdot x|^2` summed over the leaves, in float32.
+def _check_flush(flush: Any) -> jax.Array:
+  """`flush` as a bool[]; raises naming it."""
+  is_bool_scalar = not (flush is None or isinstance(flush, str | bytes)) and (
+    jnp.result_type(flush) == jnp.bool_ and jnp.ndim(flush) == 0
+  )
+  if not is_bool_scalar:
+    raise TypeError(
+      "`flush` must be a boolean scalar (True ends the cycle at this call),"
+      f" got {flush!r}."
+    )
+  return jnp.asarray(flush)
 
-  Complex leaves count their modulus, so no imaginary part is lost.
+
+class _MicroBatch(NamedTuple):
+  """One call's gradient and what the caller said about it."""
+
+  grads: Any
+  weight: jax.Array  # float32[]; 1 when no weight was given
+  weighted: bool  # static: a weight was given
+  accepted: jax.Array  # bool[]: not dropped by skip_nonfinite
+  flush: jax.Array  # bool[]
+
+
+def _accept(
+  config: _Config, grads: Any, weight: Any, flush: Any
+) -> _MicroBatch:
+  """Checks the call's arguments; decides whether the micro-batch counts."""
+  weighted = weight is not None
+  weight = _check_weight(weight) if weighted else jnp.ones([], jnp.float32)
+  may_flush = flush is not False  # a Python False needs no collective
+  flush = _check_flush(flush)
+  accepted = jnp.asarray(True)
+  if config.skip_nonfinite:
+    grads_finite = jnp.asarray(True)
+    for g in jax.tree.leaves(grads):
+      grads_finite &= jnp.all(jnp.isfinite(g))
+    # A zero-weight micro-batch (e.g. the 0/0 mean of an all-padding
+    # micro-batch) counts toward k and contributes nothing, NaN or not.
+    accepted = jnp.isfinite(weight) & (grads_finite | (weight == 0))
+  if config.axis_name is not None:
+    # Replicas must agree on what is skipped and on when a cycle ends.
+    if config.skip_nonfinite:
+      accepted = lax.pmin(accepted.astype(jnp.int32), config.axis_name) > 0
+    if may_flush:
+      flush = lax.pmax(flush.astype(jnp.int32), config.axis_name) > 0
+  return _MicroBatch(grads, weight, weighted, accepted, flush)
+
+
+def _add_leaf(acc, g, *, fresh, weight, accepted, guarded):
+  """Design point 1 + 2: the add, outside control flow, from 0 when fresh."""
+  compute = _weighting.compute_dtype(acc.dtype)
+  base = jnp.where(fresh, jnp.zeros([], compute), acc.astype(compute))
+  summed = base + _weighting.weighted_term(g, weight, compute)
+  if guarded:
+    summed = jnp.where(accepted, summed, base)
+  return summed.astype(acc.dtype)
+
+
+def _add(
+  acc_grads: Any,
+  acc_weight: jax.Array,
+  micro: _MicroBatch,
+  fresh: jax.Array,
+  guarded: bool,
+) -> tuple[Any, jax.Array]:
+  """The new accumulator and total weight after adding `micro`."""
+  add_leaf = functools.partial(
+    _add_leaf,
+    fresh=fresh,
+    weight=micro.weight if micro.weighted else None,
+    accepted=micro.accepted,
+    guarded=guarded,
+  )
+  acc = jax.tree.map(add_leaf, acc_grads, micro.grads)
+  total_weight = jnp.where(fresh, 0.0, acc_weight) + jnp.where(
+    micro.accepted, micro.weight, 0.0
+  )
+  return acc, total_weight
+
+
+def _enters_emitting_branch(
+  cycle_end: jax.Array,
+  micro_step: jax.Array,
+  total_weight: jax.Array,
+  axis_name: Hashable | None,
+) -> jax.Array:
+  if axis_name is None:
+    # Known locally: a weightless cycle skips the branch entirely (a NaN
+    # total still enters, so that the NaN reaches `inner`).
+    return cycle_end & ~(total_weight <= 0)
+  # The global weight is only known after the all-reduce in the branch.
+  return cycle_end & (micro_step > 0)
+
+
+class _Plan(NamedTuple):
+  """Static facts about this trace, found with ``jax.eval_shape``."""
+
+  grad_types: Any  # ShapeDtypeStructs of the gradients.
+  update_types: Any  # ... of inner's updates.
+  inner_state_types: Any  # ... of inner's new state.
+  reuse_buffer: bool  # Design point 3 applies.
+
+
+def _holds_exactly(wide: Any, narrow: Any) -> bool:
+  """Whether every value of dtype `narrow` survives a trip through `wide`."""
+  wide, narrow = jnp.dtype(wide), jnp.dtype(narrow)
+  if wide == narrow:
+    return True
+  if not (
+    jnp.issubdtype(wide, jnp.inexact) and jnp.issubdtype(narrow, jnp.inexact)
+  ):
+    return False
+  if jnp.issubdtype(narrow, jnp.complexfloating) and not jnp.issubdtype(
+    wide, jnp.complexfloating
+  ):
+    return False
+  w, n = jnp.finfo(wide), jnp.finfo(narrow)
+  return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp
+
+
+def _plan(
+  config: _Config,
+  inner: optax.GradientTransformationExtraArgs,
+  extra_args: dict,
+  grads: Any,
+  acc: Any,
+  inner_state: Any,
+  params: Any,
+) -> _Plan:
+  grad_types = jax.tree.map(
+    lambda g: jax.ShapeDtypeStruct(jnp.shape(g), jnp.result_type(g)), grads
+  )
+  update_types, inner_state_types = jax.eval_shape(
+    lambda g, s, p: inner.update(g, s, p, **extra_args),
+    grad_types,
+    inner_state,
+    params,
+  )
+  fits = jax.tree.structure(update_types) == jax.tree.structure(acc) and all(
+    u.shape == a.shape and _holds_exactly(a.dtype, u.dtype)
+    for u, a in zip(
+      jax.tree.leaves(update_types), jax.tree.leaves(acc), strict=True
+    )
+  )
+  # Not inside shard_map with check_vma=True: there the accumulator varies
+  # over `axis_name` while the updates, summed over it, do not, and one
+  # buffer cannot hold both types.
+  varies = config.axis_name is not None and _vma.varies_over(
+    acc, config.axis_name
+  )
+  return _Plan(grad_types, update_types, inner_state_types, fits and not varies)
+
+
+def _zeros(types: Any) -> Any:
+  return jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), types)
+
+
+def _settle(inner_state: Any, types: Any) -> Any:
+  """`inner_state` in the dtypes `inner` itself gives its new state.
+
+  So that a holding call leaves the state typed as an emitting one, and
+  the inner state behaves as with `inner` alone (which may widen a state
+  leaf, e.g. bf16 moments fed float32 gradients).
   """
-  total = jnp.zeros([], jnp.float32)
-  for x in jax.tree.leaves(tree):
-    x = jnp.abs(x) if jnp.iscomplexobj(x) else jnp.asarray(x)
-    total += jnp.sum(jnp.square(x.astype(jnp.float32) * scale))
-  return total
+  return jax.tree.map(
+    lambda x, t: x if x.dtype == t.dtype else x.astype(t.dtype),
+    inner_state,
+    types,
+  )
 
 
 def _inverse_weight(total_weight: jax.Array) -> jax.Array:
@@ -119,62 +430,269 @@ def _inverse_weight(total_weight: jax.Array) -> jax.Array:
   return 1.0 / jnp.where(total_weight <= 0, 1.0, total_weight)
 
 
-def _holds_exactly(wide: Any, narrow: Any) -> bool:
-  """Whether every value of dtype `narrow` survives a trip through `wide`."""
-  return jnp.dtype(wide) == jnp.dtype(narrow) or (
-    jnp.promote_types(wide, narrow) == jnp.dtype(wide)
-    and jnp.issubdtype(narrow, jnp.inexact)
-  )
+def _mean_sq_norm(acc: Any, total_weight: jax.Array) -> jax.Array:
+  return _noise_scale.sq_norm(acc, _inverse_weight(total_weight))
 
 
-def _axis_names(axis_name: Hashable) -> frozenset:
-  return frozenset(axis_name if isinstance(axis_name, tuple) else (axis_name,))
+def _no_sq_norm(acc: Any, total_weight: jax.Array) -> jax.Array:
+  del acc, total_weight
+  return jnp.zeros([], jnp.float32)
 
 
-def _varying_axes(aval: Any) -> frozenset:
-  """Manual mesh axes a value varies over inside ``shard_map``, else empty."""
-  # jax >= 0.9: `mat` on avals, `manual_axis_type` on ShapeDtypeStruct;
-  # older jax: `vma`.
-  mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", ()))
+def _local_mean_sq_norm(enter: jax.Array, acc: Any, total_weight: jax.Array):
+  """|mean gradient|^2, in a small conditional of its own.
 
-
-def _vary_over(x: Any, axes: frozenset) -> Any:
-  """Marks `x` as varying over `axes` (a no-op on the values)."""
-  missing = tuple(sorted(axes - _varying_axes(jax.typeof(x)), key=str))
-  if not missing:
-    return x
-  if hasattr(lax, "pcast"):
-    return lax.pcast(x, missing, to="varying")
-  return lax.pvary(x, missing)  # older jax
-
-
-def _cond(pred, true_fun, false_fun, *operands):
-  """``lax.cond`` whose branches may differ in the axes their outputs vary over.
-
-  Inside ``shard_map`` with ``check_vma=True`` (the default), a value summed
-  by ``psum`` in one branch no longer varies over the axis while the other
-  branch passes the unreduced value through, and ``lax.cond`` demands equal
-  types: each output is marked as varying over the union of both branches'
-  axes. When no operand varies (outside ``shard_map``, under ``vmap``) this
-  is plain ``lax.cond`` and the branches are not traced twice.
+  Inside the emitting branch this reduction would read the accumulator with
+  no data dependency on the inner's in-place writes into the same buffer
+  (design point 3), so XLA would copy the whole accumulator in the holding
+  branch on every call.
   """
-  if not any(_varying_axes(jax.typeof(x)) for x in jax.tree.leaves(operands)):
-    return lax.cond(pred, true_fun, false_fun, *operands)
-  out_types = [jax.eval_shape(f, *operands) for f in (true_fun, false_fun)]
-  axes = jax.tree.map(
-    lambda a, b: _varying_axes(a) | _varying_axes(b), *out_types
+  return lax.cond(enter, _mean_sq_norm, _no_sq_norm, acc, total_weight)
+
+
+def _mean_gradient(acc: Any, inv_weight: jax.Array, plan: _Plan, reduction):
+  """The gradient handed to `inner`, in the gradients' own dtypes."""
+
+  def mean_leaf(a, g):
+    compute = _weighting.compute_dtype(a.dtype)
+    if reduction == "mean":
+      # A multiply, not a divide: XLA duplicates a cheap elementwise op into
+      # every consumer fusion of the inner optimizer, but materialises a
+      # divide into a parameter-sized buffer first.
+      a = a.astype(compute) * inv_weight.astype(compute)
+    return a.astype(g.dtype)
+
+  # `grad_types` holds shapes only: closing over the gradient arrays would
+  # make them operands of the conditional and materialise them.
+  return jax.tree.map(mean_leaf, acc, plan.grad_types)
+
+
+def _all_reduce(acc, total_weight, noise, axis_name):
+  """One all-reduce per cycle: the gradient sum, its weight, and the
+  noise-scale sums when tracked (the count as float32 to join the op)."""
+  if noise is None:
+    acc, total_weight = lax.psum((acc, total_weight), axis_name)
+    return acc, total_weight, noise
+  acc, total_weight, sq_sum, count = lax.psum(
+    (acc, total_weight, noise.sq_norm_sum, noise.count.astype(jnp.float32)),
+    axis_name,
+  )
+  noise = noise._replace(sq_norm_sum=sq_sum, count=count.astype(jnp.int32))
+  return acc, total_weight, noise
+
+
+def _run_inner(inner, extra_args, grad, inner_state, params):
+  updates, inner_state = inner.update(grad, inner_state, params, **extra_args)
+  return updates, inner_state, jnp.asarray(True)
+
+
+def _skip_inner(plan, grad, inner_state, params):
+  del grad, params
+  return (
+    _zeros(plan.update_types),
+    _settle(inner_state, plan.inner_state_types),
+    jnp.asarray(False),
   )
 
-  def unify(fun):
-    def unified(*args):
-      return jax.tree.map(_vary_over, fun(*args), axes)
 
-    return unified
+def _emit(
+  config, tx, plan, extra_args, acc, weight, noise, mean_sq, inner, params
+):
+  """The emitting branch: the (reduced) mean gradient through `tx`, the
+  inner transformation, whose state is `inner`."""
+  if config.axis_name is not None:
+    acc, weight, noise = _all_reduce(acc, weight, noise, config.axis_name)
+  inv_weight = _inverse_weight(weight)
+  grad = _mean_gradient(acc, inv_weight, plan, config.reduction)
+  if noise is not None:
+    if mean_sq is None:  # The global mean, known only after the all-reduce.
+      mean_sq = _noise_scale.sq_norm(acc, inv_weight)
+    noise = _noise_scale.fold_cycle(
+      noise, mean_sq, weight, config.noise_scale_decay
+    )
+  run = functools.partial(_run_inner, tx, extra_args)
+  if config.axis_name is None:
+    updates, inner, emitted = run(grad, inner, params)
+  else:
+    positive = ~(weight <= 0)  # NaN: let it reach `inner`
+    skip = functools.partial(_skip_inner, plan)
+    updates, inner, emitted = _vma.cond(
+      positive, run, skip, grad, inner, params
+    )
+  if plan.reuse_buffer:
+    updates = jax.tree.map(lambda u, a: u.astype(a.dtype), updates, acc)
+  return updates, weight, noise, inner, emitted
 
-  return lax.cond(pred, unify(true_fun), unify(false_fun), *operands)
+
+def _hold(plan, acc, weight, noise, mean_sq, inner, params):
+  """The holding branch: passes the accumulator through (design point 3)."""
+  del mean_sq, params
+  held = acc if plan.reuse_buffer else _zeros(plan.update_types)
+  inner = _settle(inner, plan.inner_state_types)
+  return held, weight, noise, inner, jnp.asarray(False)
+
+
+def _split_buffer(out: Any, acc: Any, emitted: jax.Array, plan: _Plan):
+  """(updates, accumulator) from the conditional's buffer (design point 4)."""
+  if not plan.reuse_buffer:
+    return out, acc
+  # The buffer holds the updates after emission, the sum otherwise.
+  updates = jax.tree.map(
+    lambda b, t: jnp.where(emitted, b.astype(t.dtype), 0),
+    out,
+    plan.update_types,
+  )
+  return updates, out
+
+
+def _inner_alone(inner, grads, state, params, extra_args):
+  """k = 1 without weights, flush, skips or axis: bit for bit `inner`."""
+  updates, inner_state = inner.update(
+    grads, state.inner_state, params, **extra_args
+  )
+  return updates, state._replace(
+    step=optax.safe_increment(state.step),
+    weight_seen=_every_k.add_weight_seen(
+      state.weight_seen, jnp.ones([], jnp.float32)
+    ),
+    inner_state=inner_state,
+    emitted=jnp.asarray(True),
+  )
+
+
+def _passes_through(config: _Config, weight: Any, flush: Any) -> bool:
+  return (
+    config.every_k.fixed == 1
+    and weight is None
+    and flush is False
+    and not config.skip_nonfinite
+    and config.axis_name is None
+  )
+
+
+def _next_cycle(
+  config, state, cycle_end, emitted, step, micro_step, cycle_weight, noise
+):
+  """What the state carries into the next cycle: the weight seen, k and the
+  controller's state, all changed only when this call ended a cycle."""
+  weight_seen = jnp.where(
+    emitted,
+    _every_k.add_weight_seen(state.weight_seen, cycle_weight),
+    state.weight_seen,
+  )
+  k, grow = _every_k.next_k(
+    config.every_k,
+    state.every_k,
+    state.grow,
+    step=step,
+    weight_seen=weight_seen,
+    noise=noise,
+    cycle_weight=cycle_weight,
+    cycle_micro_batches=micro_step,
+    emitted=emitted,
+    decay=config.noise_scale_decay,
+  )
+  k = jnp.where(cycle_end, k, state.every_k)
+  grow = jax.tree.map(lambda n, o: jnp.where(cycle_end, n, o), grow, state.grow)
+  return weight_seen, k, grow
+
+
+def _update(
+  config: _Config,
+  updates: optax.Updates,
+  state: AccumulateState,
+  params: optax.Params | None = None,
+  *,
+  weight: Any = None,
+  flush: Any = False,
+  **extra_args: Any,
+) -> tuple[optax.Updates, AccumulateState]:
+  _check_state(state, config.track_noise_scale)
+  _check_grads_match(updates, state.acc_grads)
+  inner = config.inner(state.every_k)
+  if _passes_through(config, weight, flush):
+    return _inner_alone(inner, updates, state, params, extra_args)
+
+  micro = _accept(config, updates, weight, flush)
+  fresh = state.micro_step == 0
+  acc, total_weight = _add(
+    state.acc_grads, state.acc_weight, micro, fresh, config.skip_nonfinite
+  )
+  micro_step = state.micro_step + micro.accepted.astype(jnp.int32)
+  noise = state.noise
+  if noise is not None:
+    noise = _noise_scale.add_micro_batch(
+      noise, updates, micro.weight, micro.accepted, fresh
+    )
+
+  cycle_end = (micro_step >= state.every_k) | micro.flush
+  enter = _enters_emitting_branch(
+    cycle_end, micro_step, total_weight, config.axis_name
+  )
+
+  plan = _plan(
+    config, inner, extra_args, updates, acc, state.inner_state, params
+  )
+  mean_sq = None
+  if noise is not None and config.axis_name is None:
+    mean_sq = _local_mean_sq_norm(enter, acc, total_weight)
+  cond = lax.cond if config.axis_name is None else _vma.cond
+  out, total_weight, noise, inner_state, emitted = cond(
+    enter,
+    functools.partial(_emit, config, inner, plan, extra_args),
+    functools.partial(_hold, plan),
+    acc,
+    total_weight,
+    noise,
+    mean_sq,
+    state.inner_state,
+    params,
+  )
+  new_updates, acc = _split_buffer(out, acc, emitted, plan)
+
+  step = jnp.where(emitted, optax.safe_increment(state.step), state.step)
+  weight_seen, every_k, grow = _next_cycle(
+    config, state, cycle_end, emitted, step, micro_step, total_weight, noise
+  )
+  return new_updates, AccumulateState(
+    micro_step=jnp.where(cycle_end, 0, micro_step),
+    step=step,
+    every_k=every_k,
+    acc_grads=acc,
+    acc_weight=total_weight,
+    weight_seen=weight_seen,
+    inner_state=inner_state,
+    num_skipped=jnp.where(
+      micro.accepted,
+      state.num_skipped,
+      optax.safe_increment(state.num_skipped),
+    ),
+    emitted=emitted,
+    noise=noise,
+    grow=grow,
+  )
+
+
+def _init(config: _Config, params: optax.Params) -> AccumulateState:
+  zeros = functools.partial(
+    _zeros_like_param, accumulator_dtype=config.accumulator_dtype
+  )
+  every_k = _every_k.first(config.every_k)
+  # Separate calls: every leaf is its own buffer, so the whole state can be
+  # donated to jit.
+  return AccumulateState(
+    micro_step=jnp.zeros([], jnp.int32),
+    step=jnp.zeros([], jnp.int32),
+    every_k=every_k,
+    acc_grads=jax.tree.map(zeros, _gradient_params(params)),
+    acc_weight=jnp.zeros([], jnp.float32),
+    weight_seen=jnp.zeros([2], jnp.float32),
+    inner_state=config.inner(every_k).init(params),
+    num_skipped=jnp.zeros([], jnp.int32),
+    emitted=jnp.zeros([], jnp.bool_),
+    noise=_noise_scale.init() if config.track_noise_scale else None,
+    grow=_every_k.init_grow(config.every_k),
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -208,50 +726,65 @@ def accumulate(
   and returns ``inner``'s updates; the other calls return exact zeros and
   leave ``inner``'s state untouched. ``inner`` is only executed on emitting
   calls (under ``jit`` it sits inside a ``lax.cond``), so its cost, and any
-  schedule inside it, is paid once per optimizer step.
+  schedule inside it, is paid once per optimizer step. Put everything that
+  should run once per optimizer step (clipping, weight decay, schedules)
+  inside ``inner``: a transformation chained *around* ``accumulate`` runs on
+  every micro-batch.
 
   If each micro-batch gradient is a mean over its own examples or tokens,
   pass their number as ``weight``: the emitted gradient is then exactly the
   big-batch mean over all examples or tokens, however unevenly they are
   spread over the micro-batches.
 
-  Rules for the runtime values (not checked under ``jit``):
+  Rules for the runtime values:
 
   * a micro-batch of weight 0 counts toward :math:`k` but contributes
     nothing, even if its gradient is NaN or Inf (the 0/0 per-token mean of
     an all-padding micro-batch); a cycle whose total weight is not positive
     emits zeros, leaves ``inner``'s state and ``step`` unchanged and
-    produces no NaN; weights are meant to be :math:`\geq 0`;
+    produces no NaN. Weights must be :math:`\geq 0`: a concrete negative
+    weight raises, a traced one (under ``jit``) is used as given;
   * ``flush=True`` ends the cycle at this call, however many micro-batches
     it holds, normalised by what was actually accumulated (the partial last
     window of an epoch); on an empty cycle it emits nothing;
   * a schedule ``every_k(step)`` is called with ``state.step``; its value is
-    rounded down and values below 1 are treated as 1;
+    rounded down and values below 1 are treated as 1. A NaN raises when the
+    value is concrete; under ``jit``, a NaN or a value beyond the int32
+    range holds the cycle open (no update until ``flush=True``);
   * with ``skip_nonfinite=True`` a micro-batch whose weight, or whose
     gradient at nonzero weight, holds a NaN or Inf is dropped as if the call
     never happened (it does not count toward :math:`k`) and ``num_skipped``
-    grows; without it the NaN reaches ``inner`` at the end of the cycle.
+    grows; without it the NaN reaches ``inner`` at the end of the cycle;
+  * ``inner``'s state leaves take the dtypes ``inner`` itself gives them
+    (e.g. bf16 moments fed float32 gradients become float32, as with
+    ``inner`` alone).
 
   Args:
     inner: The optimizer to run once per cycle, any
       ``optax.GradientTransformation``; it receives the extra keyword
-      arguments of ``update`` (e.g. ``value=``) on emitting calls.
-    every_k: Micro-batches per cycle, a positive int, or a schedule
-      ``callable(step: int32[]) -> int`` for batch-size warm-up.
+      arguments of ``update`` (e.g. ``value=``) on emitting calls. With
+      ``optax.lookahead``, ``init`` takes the ``LookaheadParams`` and the
+      gradients are those with respect to ``params.fast``.
+    every_k: Micro-batches per cycle, a positive int below :math:`2^{31}`,
+      or a schedule ``callable(step: int32[]) -> int`` for batch-size
+      warm-up (called once at construction with step 0 to check it).
     reduction: ``"mean"`` (weighted mean, the default) or ``"sum"``.
     accumulator_dtype: The dtype of the accumulator (float32 by default, so
       bf16 gradients do not lose precision); ``None`` keeps each gradient
       leaf's dtype. Complex gradient leaves get the matching complex dtype;
-      for float64 gradients pass ``jnp.float64`` or ``None``. Emitted
-      gradients keep the gradient's dtype.
+      a complex dtype for real params raises. For float64 gradients pass
+      ``jnp.float64`` or ``None``. Emitted gradients keep the gradient's
+      dtype.
     skip_nonfinite: Drop micro-batches with a non-finite gradient or weight.
     axis_name: A named axis (``shard_map``, ``pmap``, ``vmap``) over which
       the accumulated gradients and weights are summed on emitting calls
       only. Pass each device's local, unreduced gradient: communication
-      then happens once per cycle instead of once per micro-batch.
+      then happens once per cycle instead of once per micro-batch. See
+      :func:`optax_accum.shard_map_specs` for the state's layout.
     track_noise_scale: Also estimate the gradient noise scale (a few scalars
       in the state); read it with :func:`optax_accum.noise_scale`.
-    noise_scale_decay: Decay of the noise scale's moving averages.
+    noise_scale_decay: Decay of the noise scale's moving averages, in
+      [0, 1).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` is
@@ -259,11 +792,14 @@ def accumulate(
     **extra_args)`` and whose state is an :class:`AccumulateState`.
 
   Raises:
-    TypeError, ValueError: For a bad ``every_k`` (0, negative, float, bool,
-      str, None), ``reduction``, ``accumulator_dtype``, ``axis_name`` or
-      ``noise_scale_decay``, at construction; for gradients whose tree or
-      shapes differ from the params, or a non-scalar ``weight``, at trace
-      time.
+    TypeError, ValueError: At construction, for an ``inner`` that is not a
+      transformation, a bad ``every_k`` (0, negative, float, bool, str,
+      None, beyond int32, a schedule whose value at step 0 is not a real
+      scalar), ``reduction``, ``accumulator_dtype``, ``axis_name``,
+      non-bool ``skip_nonfinite`` or ``track_noise_scale``, or
+      ``noise_scale_decay``. At trace time, for gradients whose tree,
+      shapes or (complex vs real) kind differ from the params, or a
+      ``weight`` or ``flush`` that is not a real or boolean scalar.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
@@ -277,331 +813,18 @@ def accumulate(
     >>> print(u)  # -(1 * [1, 2] + 3 * [4, 8]) / 4
     [-3.25 -6.5 ]
   """
-  every_k = _check_every_k(every_k)
-  accumulator_dtype = _check_options(
-    reduction, accumulator_dtype, axis_name, noise_scale_decay
+  _check_options(reduction, axis_name)
+  track_noise_scale = _checks.boolean(track_noise_scale, "track_noise_scale")
+  config = _Config(
+    inner=_check_inner(inner),
+    every_k=_every_k.check(every_k, track_noise_scale),
+    reduction=reduction,
+    accumulator_dtype=_checks.accumulator_dtype(accumulator_dtype),
+    skip_nonfinite=_checks.boolean(skip_nonfinite, "skip_nonfinite"),
+    axis_name=axis_name,
+    track_noise_scale=track_noise_scale,
+    noise_scale_decay=_noise_scale.check_decay(noise_scale_decay),
   )
-  inner = optax.with_extra_args_support(inner)
-
-  def acc_dtype(leaf: Any) -> Any:
-    return _checks.leaf_accumulator_dtype(accumulator_dtype, leaf.dtype)
-
-  def init_fn(params: optax.Params) -> AccumulateState:
-    def zeros_like_param(p):
-      # Keep the param's sharding. Outside jit a committed param's sharding
-      # is copied explicitly. Under jit, zeros_like keeps the sharding that
-      # an explicit-axes mesh puts in the tracer's type; with auto axes the
-      # zeros do not depend on the param and nothing is propagated: pass
-      # `out_shardings=optax_accum.state_shardings(tx, params)` to jit.
-      sharding = getattr(p, "sharding", None)
-      if isinstance(p, jax.Array) and not isinstance(p, jax.core.Tracer):
-        return jnp.zeros(p.shape, acc_dtype(p), device=sharding)
-      return jnp.zeros_like(p, dtype=acc_dtype(jnp.asarray(p)))
-
-    # Separate calls: every leaf is its own buffer, so the whole state can
-    # be donated to jit.
-    return AccumulateState(
-      micro_step=jnp.zeros([], jnp.int32),
-      step=jnp.zeros([], jnp.int32),
-      acc_grads=jax.tree.map(zeros_like_param, params),
-      acc_weight=jnp.zeros([], jnp.float32),
-      inner_state=inner.init(params),
-      num_skipped=jnp.zeros([], jnp.int32),
-      emitted=jnp.zeros([], jnp.bool_),
-      noise_sq_norm_sum=jnp.zeros([], jnp.float32),
-      noise_count=jnp.zeros([], jnp.int32),
-      noise_grad_sq=jnp.zeros([], jnp.float32),
-      noise_trace=jnp.zeros([], jnp.float32),
-      noise_cycles=jnp.zeros([], jnp.int32),
-    )
-
-  def update_fn(
-    updates: optax.Updates,
-    state: AccumulateState,
-    params: optax.Params | None = None,
-    *,
-    weight: Any = None,
-    flush: Any = False,
-    **extra_args: Any,
-  ) -> tuple[optax.Updates, AccumulateState]:
-    # Why the step looks like this. A micro-step should cost a gradient add.
-    # On XLA:CPU, the operands and results of a conditional are materialised
-    # buffers, which blocks fusing the gradient into the accumulator add and
-    # costs a parameter-sized buffer for the updates the conditional returns.
-    # So: (1) the add happens before and outside the conditional; (2) the
-    # reset is lazy (a new cycle ignores the old contents instead of zeroing
-    # them); (3) the conditional's only big operand and result is the
-    # accumulator itself: the emitting branch writes the inner updates into
-    # the accumulator's buffer (scratch after emission, thanks to (2)) and
-    # the holding branch passes it through untouched; (4) the zero updates
-    # of a micro-step are a `where` outside the conditional, which fuses with
-    # `optax.apply_updates`. The inner optimizer still runs only in the
-    # emitting branch.
-    if not isinstance(state, AccumulateState):
-      raise TypeError(
-        "`state` must be the AccumulateState returned by this"
-        f" transformation's init, got {type(state).__name__}."
-      )
-    _check_grads_match(updates, state.acc_grads)
-    grads = updates
-    has_weight = weight is not None
-    weight = _scalar(1.0 if weight is None else weight, "weight", jnp.float32)
-
-    if (
-      every_k == 1
-      and not has_weight
-      and flush is False
-      and not (skip_nonfinite or axis_name is not None)
-    ):
-      # Every call emits and the mean of one unweighted gradient is the
-      # gradient itself: call the inner directly, bit for bit like `inner`
-      # alone, with no conditional and no accumulator traffic (the state's
-      # accumulator is left as it is).
-      new_updates, inner_state = inner.update(
-        grads, state.inner_state, params, **extra_args
-      )
-      return new_updates, state._replace(
-        step=optax.safe_increment(state.step),
-        inner_state=inner_state,
-        emitted=jnp.asarray(True),
-      )
-
-    may_flush = flush is not False  # a Python False needs no collective
-    flush = _scalar(flush, "flush", jnp.bool_)
-    grad_leaves = jax.tree.leaves(grads)
-    grad_types = jax.tree.map(
-      lambda g: jax.ShapeDtypeStruct(jnp.shape(g), jnp.result_type(g)), grads
-    )
-    if skip_nonfinite:
-      grads_finite = jnp.asarray(True)
-      for g in grad_leaves:
-        grads_finite &= jnp.all(jnp.isfinite(g))
-      # A zero-weight micro-batch (e.g. the 0/0 mean of an all-padding
-      # micro-batch) counts toward k and contributes nothing, NaN or not.
-      finite = jnp.isfinite(weight) & (grads_finite | (weight == 0))
-    else:
-      finite = jnp.asarray(True)
-    if axis_name is not None:
-      # Replicas must agree on what is skipped and on when a cycle ends.
-      if skip_nonfinite:
-        finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
-      if may_flush:
-        flush = lax.pmax(flush.astype(jnp.int32), axis_name) > 0
-
-    # (1) + (2): the add, outside control flow; a new cycle starts from 0.
-    fresh = state.micro_step == 0
-
-    def add(acc, g):
-      compute = _weighting.compute_dtype(acc.dtype)
-      base = jnp.where(fresh, jnp.zeros([], compute), acc.astype(compute))
-      term = _weighting.weighted_term(
-        g, weight if has_weight else None, compute
-      )
-      summed = base + term
-      if skip_nonfinite:
-        summed = jnp.where(finite, summed, base)
-      return summed.astype(acc.dtype)
-
-    acc = jax.tree.map(add, state.acc_grads, grads)
-    accepted = finite.astype(jnp.int32)
-    micro_step = state.micro_step + accepted
-    total_weight = jnp.where(fresh, 0.0, state.acc_weight) + jnp.where(
-      finite, weight, 0.0
-    )
-
-    noise = _noise_scale._NoiseFields(
-      sq_norm_sum=state.noise_sq_norm_sum,
-      count=state.noise_count,
-      grad_sq=state.noise_grad_sq,
-      trace=state.noise_trace,
-      cycles=state.noise_cycles,
-    )
-    if track_noise_scale:
-      sq_norm = _sq_norm(grad_leaves)
-      counted = finite & (weight > 0)
-      noise = noise._replace(
-        sq_norm_sum=jnp.where(fresh, 0.0, noise.sq_norm_sum)
-        + jnp.where(counted, weight * sq_norm, 0.0),
-        count=jnp.where(fresh, 0, noise.count) + counted.astype(jnp.int32),
-      )
-
-    if callable(every_k):
-      k = jnp.asarray(every_k(state.step))
-      if not jnp.issubdtype(k.dtype, jnp.integer):
-        k = jnp.floor(k)
-      k = jnp.maximum(k.astype(jnp.int32), 1)
-    else:
-      k = every_k
-    cycle_end = (micro_step >= k) | flush
-    if axis_name is None:
-      # Locally known: skip the branch entirely for a weightless cycle.
-      enter = cycle_end & ~(total_weight <= 0)  # a NaN total reaches inner
-    else:
-      # The global weight is only known after the reduction in the branch.
-      enter = cycle_end & (micro_step > 0)
-
-    inner_shapes = jax.eval_shape(
-      lambda g, s, p: inner.update(g, s, p, **extra_args),
-      grad_types,
-      state.inner_state,
-      params,
-    )
-    inner_updates_shape = inner_shapes[0]
-    # (3) applies when each update leaf fits its accumulator leaf exactly.
-    reuse_buffer = jax.tree.structure(
-      inner_updates_shape
-    ) == jax.tree.structure(acc) and all(
-      u.shape == a.shape and _holds_exactly(a.dtype, u.dtype)
-      for u, a in zip(
-        jax.tree.leaves(inner_updates_shape), jax.tree.leaves(acc), strict=True
-      )
-    )
-    # Not inside shard_map with check_vma=True: there the accumulator varies
-    # over `axis_name` while the updates, summed over it, do not, and one
-    # buffer cannot hold both types.
-    reuse_buffer = reuse_buffer and not (
-      axis_name is not None
-      and any(
-        _axis_names(axis_name) & _varying_axes(jax.typeof(a))
-        for a in jax.tree.leaves(acc)
-      )
-    )
-
-    def zero_updates():
-      return jax.tree.map(
-        lambda s: jnp.zeros(s.shape, s.dtype), inner_updates_shape
-      )
-
-    def run_inner(acc, total_weight, noise, inner_state, params):
-      if axis_name is not None:
-        # One all-reduce per cycle: the gradient sum and its weight, plus the
-        # noise-scale sums (the count as float32 so it joins the same op).
-        if track_noise_scale:
-          acc, total_weight, sq_sum, count = lax.psum(
-            (
-              acc,
-              total_weight,
-              noise.sq_norm_sum,
-              noise.count.astype(jnp.float32),
-            ),
-            axis_name,
-          )
-          noise = noise._replace(
-            sq_norm_sum=sq_sum, count=count.astype(noise.count.dtype)
-          )
-        else:
-          acc, total_weight = lax.psum((acc, total_weight), axis_name)
-      positive = ~(total_weight <= 0)  # NaN: let it reach `inner`
-      # A multiply, not a divide: XLA duplicates a cheap elementwise op into
-      # every consumer fusion of the inner optimizer, but materialises a
-      # divide into a parameter-sized buffer first.
-      inv_weight = _inverse_weight(total_weight)
-
-      def mean_grad(a, g):
-        compute = _weighting.compute_dtype(a.dtype)
-        if reduction == "mean":
-          a = a.astype(compute) * inv_weight.astype(compute)
-        return a.astype(g.dtype)
-
-      # `grad_types` holds shapes only: closing over the gradient arrays
-      # would make them operands of the conditional and materialise them.
-      grad = jax.tree.map(mean_grad, acc, grad_types)
-      if track_noise_scale:
-        if axis_name is None:
-          mean_sq = local_mean_sq
-        else:  # The global mean is only known after the psum above.
-          mean_sq = _sq_norm(acc, inv_weight)
-        noise = _noise_scale._fold_cycle(
-          noise, mean_sq, total_weight, noise_scale_decay
-        )
-
-      def apply(grad, inner_state, params):
-        new_updates, new_state = inner.update(
-          grad, inner_state, params, **extra_args
-        )
-        # Branches must agree on types: keep every state leaf's dtype.
-        new_state = jax.tree.map(
-          lambda new, old: (
-            new if new.dtype == old.dtype else new.astype(old.dtype)
-          ),
-          new_state,
-          inner_state,
-        )
-        return new_updates, new_state, jnp.asarray(True)
-
-      def hold(grad, inner_state, params):
-        del params
-        return zero_updates(), inner_state, jnp.asarray(False)
-
-      if axis_name is None:
-        new_updates, inner_state, emitted = apply(grad, inner_state, params)
-      else:
-        new_updates, inner_state, emitted = _cond(
-          positive, apply, hold, grad, inner_state, params
-        )
-      if reuse_buffer:
-        new_updates = jax.tree.map(
-          lambda u, a: u.astype(a.dtype), new_updates, acc
-        )
-      return new_updates, total_weight, noise, inner_state, emitted
-
-    def keep(acc, total_weight, noise, inner_state, params):
-      del params
-      held = acc if reuse_buffer else zero_updates()
-      return held, total_weight, noise, inner_state, jnp.asarray(False)
-
-    if track_noise_scale and axis_name is None:
-      # |mean gradient|^2 in a small conditional of its own, before the main
-      # one. Inside the emitting branch this reduction reads the accumulator
-      # with no data dependency on the inner's in-place writes into the same
-      # buffer (3), so XLA copies the whole accumulator in the holding branch
-      # on every call: a parameter-sized buffer more, and its traffic.
-      local_mean_sq = lax.cond(
-        enter,
-        lambda a, w: _sq_norm(a, _inverse_weight(w)),
-        lambda a, w: jnp.zeros([], jnp.float32),
-        acc,
-        total_weight,
-      )
-
-    cond = lax.cond if axis_name is None else _cond
-    out, total_weight, noise, inner_state, emitted = cond(
-      enter,
-      run_inner,
-      keep,
-      acc,
-      total_weight,
-      noise,
-      state.inner_state,
-      params,
-    )
-    if reuse_buffer:
-      # (4) the buffer holds the updates after emission, the sum otherwise.
-      new_updates = jax.tree.map(
-        lambda b, s: jnp.where(emitted, b.astype(s.dtype), 0),
-        out,
-        inner_updates_shape,
-      )
-      acc = out
-    else:
-      new_updates = out
-
-    new_state = AccumulateState(
-      micro_step=jnp.where(cycle_end, 0, micro_step),
-      step=jnp.where(emitted, optax.safe_increment(state.step), state.step),
-      acc_grads=acc,
-      acc_weight=total_weight,
-      inner_state=inner_state,
-      num_skipped=jnp.where(
-        finite, state.num_skipped, optax.safe_increment(state.num_skipped)
-      ),
-      emitted=emitted,
-      noise_sq_norm_sum=noise.sq_norm_sum,
-      noise_count=noise.count,
-      noise_grad_sq=noise.grad_sq,
-      noise_trace=noise.trace,
-      noise_cycles=noise.cycles,
-    )
-    return new_updates, new_state
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+    functools.partial(_init, config), functools.partial(_update, config)
+  )

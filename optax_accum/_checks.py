@@ -58,12 +58,42 @@ def accumulator_dtype(value: Any) -> Any:
   return dtype
 
 
+def boolean(value: Any, name: str) -> bool:
+  """Returns `value` as a Python bool; only bools (NumPy's too) pass."""
+  if not isinstance(value, bool | np.bool_):
+    raise TypeError(
+      f"`{name}` must be True or False, got {value!r} of type"
+      f" {type(value).__name__}."
+    )
+  return bool(value)
+
+
+def _complex_of(dtype: Any) -> Any:
+  """The complex dtype whose parts have at least `dtype`'s precision."""
+  return jnp.dtype(
+    jnp.complex128 if jnp.dtype(dtype).itemsize >= 8 else jnp.complex64
+  )
+
+
 def leaf_accumulator_dtype(accumulator_dtype: Any, leaf_dtype: Any) -> Any:
-  """The accumulator dtype of one leaf: never drops an imaginary part."""
+  """The accumulator dtype of one leaf: never drops an imaginary part.
+
+  Raises:
+    ValueError: For a complex `accumulator_dtype` and a real leaf (an
+      accumulator that could only ever hold a zero imaginary part).
+  """
   if accumulator_dtype is None:
-    return leaf_dtype
-  if jnp.issubdtype(leaf_dtype, jnp.complexfloating) and not jnp.issubdtype(
-    accumulator_dtype, jnp.complexfloating
-  ):
-    return jnp.promote_types(accumulator_dtype, jnp.complex64)
-  return accumulator_dtype
+    return jnp.dtype(leaf_dtype)
+  leaf_is_complex = jnp.issubdtype(leaf_dtype, jnp.complexfloating)
+  if jnp.issubdtype(accumulator_dtype, jnp.complexfloating):
+    if not leaf_is_complex:
+      raise ValueError(
+        f"`accumulator_dtype` is complex ({jnp.dtype(accumulator_dtype)})"
+        f" but a gradient leaf is real ({jnp.dtype(leaf_dtype)}); complex"
+        " gradient leaves get a complex accumulator by themselves, so pass"
+        " a real dtype."
+      )
+    return jnp.dtype(accumulator_dtype)
+  if leaf_is_complex:
+    return _complex_of(accumulator_dtype)
+  return jnp.dtype(accumulator_dtype)

@@ -1,11 +1,14 @@
 """`microbatch`: exact, token-weighted micro-batching inside one step.
 
-Read top to bottom: the batch split, how each output leaf
-is reduced, then :func:`microbatch` itself.
+Read top to bottom: the batch split, the weight, how each output leaf is
+reduced (one `_Reduction` record per kind), the scan, plain and NNX steps,
+then :func:`microbatch` itself.
 """
 
+import functools
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +17,8 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 
 from optax_accum import _checks, _weighting
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 # ----------------------------------------------------------------------------
 # The batch split (trace time).
@@ -79,25 +84,69 @@ def _micro_batch(split: Any, index: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------
-# How each output leaf is reduced over the micro-batches.
+# The weight of a micro-batch. Dtypes throughout are chosen explicitly
+# (`_weighting.compute_dtype`, `_checks.leaf_accumulator_dtype`), never by
+# `jnp.promote_types`, which raises under
+# `jax_numpy_dtype_promotion="strict"` for bfloat16 with float32; every
+# operation is between operands of one dtype (or a Python scalar).
 # ----------------------------------------------------------------------------
 
-# A leaf's kind decides its reduction: the (weighted) mean, the sum, logical
-# or, the value from the last micro-batch, or the float0 zeros that
-# `jax.grad(..., allow_int=True)` returns for integer arguments.
-_MEAN, _SUM, _ANY, _LAST, _FLOAT0 = "mean", "sum", "any", "last", "float0"
+
+def _weight(raw: Any) -> jax.Array:
+  """One micro-batch's weight, `weight_fn`'s output, as a float32 scalar."""
+  try:
+    weight = jnp.asarray(raw)
+  except (TypeError, ValueError) as e:
+    raise TypeError(
+      "`weight_fn` must return a real scalar (e.g. the micro-batch's number"
+      f" of tokens), got {raw!r} of type {type(raw).__name__}."
+    ) from e
+  if weight.ndim != 0:
+    raise ValueError(
+      "`weight_fn` must return a scalar (one weight per micro-batch),"
+      f" got shape {weight.shape}."
+    )
+  real = jnp.issubdtype(weight.dtype, jnp.integer) or jnp.issubdtype(
+    weight.dtype, jnp.floating
+  )
+  if not (real or weight.dtype == jnp.bool_):
+    raise TypeError(
+      "`weight_fn` must return a real number (bool, integer or floating),"
+      f" got {raw!r} of dtype {weight.dtype}."
+    )
+  return weight.astype(jnp.float32)
 
 
-def _kind(dtype: Any) -> str:
-  if dtype == jax.dtypes.float0:
-    return _FLOAT0
-  if jnp.issubdtype(dtype, jnp.inexact):
-    return _MEAN
-  if jnp.issubdtype(dtype, jnp.integer):
-    return _SUM
-  if jnp.issubdtype(dtype, jnp.bool_):
-    return _ANY
-  return _LAST  # PRNG keys and other extended dtypes.
+# ----------------------------------------------------------------------------
+# How each output leaf is reduced over the micro-batches: one record per
+# kind, chosen once per leaf from its dtype.
+# ----------------------------------------------------------------------------
+
+
+class _Total(NamedTuple):
+  """What a weighted mean divides by, known after the scan."""
+
+  count: int  # num_microbatches: the divisor without `weight_fn`.
+  weighted: bool  # Whether `weight_fn` was given.
+  positive: jax.Array  # bool[]: the total weight is > 0.
+  safe_weight: jax.Array  # f32[]: the total weight, 1 where not positive.
+
+
+class _Reduction(NamedTuple):
+  """How one output leaf is reduced over the micro-batches.
+
+  Attributes:
+    init: ``init(shape, dtype)``, the scan carry before micro-batch 0 (None
+      for a leaf that is not carried).
+    update: ``update(acc, value, weight) -> (acc, emitted)``: the new carry
+      and what this micro-batch adds to the scan's outputs (None: nothing).
+    finalize: ``finalize(acc, emitted, shape, total)``, the result, where
+      ``emitted`` is stacked over the micro-batches.
+  """
+
+  init: Callable[[jax.ShapeDtypeStruct, Any], Any]
+  update: Callable[[Any, Any, jax.Array | None], tuple[Any, Any]]
+  finalize: Callable[[Any, Any, jax.ShapeDtypeStruct, _Total], Any]
 
 
 def _zeros(shape: jax.ShapeDtypeStruct, dtype: Any) -> jax.Array:
@@ -114,8 +163,101 @@ def _zeros(shape: jax.ShapeDtypeStruct, dtype: Any) -> jax.Array:
   return jnp.zeros(shape.shape, dtype)
 
 
-def _check_output(out: Any) -> bool:
-  """Returns `has_aux` from the shapes of one call; raises if not a pair."""
+def _not_carried(shape: jax.ShapeDtypeStruct, dtype: Any) -> None:
+  # The last values are scan outputs (an extended dtype such as a PRNG key
+  # has no zeros to start a carry from); float0 is always zeros.
+  del shape, dtype
+
+
+def _add_weighted(acc: jax.Array, value: Any, weight: Any) -> tuple:
+  compute = _weighting.compute_dtype(acc.dtype)
+  term = _weighting.weighted_term(value, weight, compute)
+  return (acc.astype(compute) + term).astype(acc.dtype), None
+
+
+def _weighted_mean(acc: jax.Array, emitted: Any, shape: Any, total: _Total):
+  del emitted
+  compute = _weighting.compute_dtype(acc.dtype)
+  acc = acc.astype(compute)
+  if total.weighted:
+    mean = jnp.where(total.positive, acc / total.safe_weight.astype(compute), 0)
+  else:
+    mean = acc / total.count
+  return mean.astype(shape.dtype)
+
+
+def _the_carry(acc: Any, emitted: Any, shape: Any, total: _Total) -> Any:
+  del emitted, shape, total
+  return acc
+
+
+# Floating leaves (the loss, gradients, floating aux): the weighted mean.
+_MEAN = _Reduction(_zeros, _add_weighted, _weighted_mean)
+# Integer aux leaves (counts): the sum.
+_SUM = _Reduction(_zeros, lambda acc, value, _: (acc + value, None), _the_carry)
+# Boolean aux leaves (flags): logical or.
+_ANY = _Reduction(_zeros, lambda acc, value, _: (acc | value, None), _the_carry)
+# PRNG keys and other extended dtypes: the last micro-batch's value.
+_LAST = _Reduction(
+  _not_carried,
+  lambda acc, value, _: (None, value),
+  lambda acc, emitted, shape, total: emitted[-1],
+)
+# `jax.grad(..., allow_int=True)`'s float0 zeros for integer arguments.
+_FLOAT0 = _Reduction(
+  _not_carried,
+  lambda acc, value, _: (None, None),
+  lambda acc, emitted, shape, total: np.zeros(shape.shape, jax.dtypes.float0),
+)
+
+
+def _reduction(dtype: Any) -> _Reduction:
+  if dtype == jax.dtypes.float0:
+    return _FLOAT0
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return _MEAN
+  if jnp.issubdtype(dtype, jnp.integer):
+    return _SUM
+  if jnp.issubdtype(dtype, jnp.bool_):
+    return _ANY
+  return _LAST
+
+
+class _Leaf(NamedTuple):
+  """One output leaf: its reduction, carry dtype and output shape."""
+
+  reduction: _Reduction
+  dtype: Any
+  shape: jax.ShapeDtypeStruct
+
+
+def _plan(out_shape: Any, accumulator_dtype: Any) -> list[_Leaf]:
+  """The `_Leaf` of every leaf of `out_shape`, in `jax.tree.leaves` order.
+
+  The value's leaves (loss, aux) come first, then the gradient's: floating
+  value leaves are summed in at least float32, floating gradient leaves in
+  `accumulator_dtype`, other leaves in their own dtype.
+  """
+  plan = []
+  for shape in jax.tree.leaves(out_shape[0]):
+    reduction, dtype = _reduction(shape.dtype), shape.dtype
+    if reduction is _MEAN:
+      dtype = _weighting.compute_dtype(dtype)
+    plan.append(_Leaf(reduction, dtype, shape))
+  for path, shape in jax.tree_util.tree_flatten_with_path(out_shape[1])[0]:
+    reduction, dtype = _reduction(shape.dtype), shape.dtype
+    if reduction is _MEAN:
+      try:
+        dtype = _checks.leaf_accumulator_dtype(accumulator_dtype, dtype)
+      except ValueError as e:
+        name = "grads" + jax.tree_util.keystr(path)
+        raise ValueError(f"{e} The leaf: {name}.") from e
+    plan.append(_Leaf(reduction, dtype, shape))
+  return plan
+
+
+def _check_output(out: Any) -> None:
+  """Raises unless `out` (shapes) looks like `jax.value_and_grad`'s output."""
   if not (isinstance(out, tuple | list) and len(out) == 2):
     raise TypeError(
       "`value_and_grad_fn` must return `(value, grads)` like"
@@ -132,7 +274,134 @@ def _check_output(out: Any) -> bool:
       " `jax.value_and_grad(loss_fn, has_aux=...)`; got a value of"
       f" {jax.tree.map(lambda s: (s.shape, s.dtype), value)}."
     )
-  return has_aux
+
+
+# ----------------------------------------------------------------------------
+# The scan over micro-batches, for a pure step `step(micro, carried) ->
+# (out, carried)`: `carried` is state threaded from one micro-batch to the
+# next (None for plain JAX functions; NNX variables, see below).
+# ----------------------------------------------------------------------------
+
+
+def _call(step, weight_fn, split, index, carried):
+  """Micro-batch `index`: `(out, weight or None, carried)`."""
+  micro = _micro_batch(split, index)
+  out, carried = step(micro, carried)
+  weight = None if weight_fn is None else _weight(weight_fn(micro))
+  return out, weight, carried
+
+
+def _add(plan, treedef, accs, out, weight):
+  """Adds one micro-batch's output: new carries and scan outputs."""
+  new_accs, emitted = [], []
+  for leaf, acc, value in zip(
+    plan, accs, treedef.flatten_up_to(out), strict=True
+  ):
+    acc, value = leaf.reduction.update(acc, value, weight)
+    new_accs.append(acc)
+    emitted.append(value)
+  return new_accs, emitted
+
+
+def _scan(step, carried, split, n, weight_fn, accumulator_dtype):
+  """The reduced output of `step` over the `n` micro-batches of `split`."""
+  call = functools.partial(_call, step, weight_fn, split)
+  # Closes over the arguments: they need not be valid JAX types.
+  out_shape = jax.eval_shape(lambda: call(0, carried)[0])
+  _check_output(out_shape)
+  treedef = jax.tree.structure(out_shape)
+  plan = _plan(out_shape, accumulator_dtype)
+
+  def body(carry, index):
+    accs, total_weight, carried = carry
+    out, weight, carried = call(index, carried)
+    accs, emitted = _add(plan, treedef, accs, out, weight)
+    if weight is not None:
+      total_weight = total_weight + weight
+    return (accs, total_weight, carried), emitted
+
+  accs = [leaf.reduction.init(leaf.shape, leaf.dtype) for leaf in plan]
+  carry = (accs, jnp.zeros([], jnp.float32), carried)
+  (accs, total_weight, carried), emitted = lax.scan(
+    body, carry, jnp.arange(n, dtype=jnp.int32)
+  )
+  positive = total_weight > 0
+  total = _Total(
+    n, weight_fn is not None, positive, jnp.where(positive, total_weight, 1.0)
+  )
+  results = [
+    leaf.reduction.finalize(acc, ys, leaf.shape, total)
+    for leaf, acc, ys in zip(plan, accs, emitted, strict=True)
+  ]
+  return treedef.unflatten(results), carried
+
+
+# ----------------------------------------------------------------------------
+# The step: a plain function of arrays, or one taking Flax NNX objects.
+# ----------------------------------------------------------------------------
+
+
+def _plain_step(value_and_grad_fn, params, args, kwargs):
+  """`(step, carried, write_back)` for arguments that are JAX values."""
+
+  def step(micro, carried):
+    return value_and_grad_fn(params, micro, *args, **kwargs), carried
+
+  return step, None, lambda carried: None
+
+
+def _nnx(arguments: Any) -> Any:
+  """`flax.nnx` if `arguments` hold an NNX graph node (a Module, Rngs)."""
+  nnx = sys.modules.get("flax.nnx")  # Imported by whoever made a Module.
+  if nnx is None:
+    return None
+  is_node = nnx.graph.is_graph_node
+  leaves = jax.tree.leaves(arguments, is_leaf=is_node)
+  return nnx if any(is_node(leaf) for leaf in leaves) else None
+
+
+def _nnx_step(nnx, value_and_grad_fn, params, args, kwargs):
+  """`(step, carried, write_back)` for arguments holding NNX objects.
+
+  NNX refuses a Variable created outside the scan's trace, so the arguments
+  are split once outside it and merged inside every micro-batch from pure
+  arrays: `nnx.Param` values are closed over (the same at every micro-batch,
+  never copied), every other `nnx.Variable` (BatchNorm statistics, RNG
+  counts) is carried from micro-batch to micro-batch, as in `n` calls one
+  after the other, and `write_back` stores the last values in the caller's
+  objects, as `nnx.value_and_grad` does.
+  """
+  graph = (params, args, kwargs)
+  graphdef, fixed, variables, others = nnx.split(
+    graph, nnx.Param, nnx.Variable, ...
+  )
+  fixed, fixed_def = jax.tree.flatten(fixed)
+  others, others_def = jax.tree.flatten(others)
+  carried, carried_def = jax.tree.flatten(variables)
+
+  def step(micro, carried):
+    merged = nnx.merge(
+      graphdef,
+      fixed_def.unflatten(fixed),
+      carried_def.unflatten(carried),
+      others_def.unflatten(others),
+    )
+    params, args, kwargs = merged
+    out = value_and_grad_fn(params, micro, *args, **kwargs)
+    variables = nnx.split(merged, nnx.Param, nnx.Variable, ...)[2]
+    try:
+      return out, carried_def.flatten_up_to(variables)
+    except ValueError as e:
+      raise ValueError(
+        "`value_and_grad_fn` added or removed an `nnx.Variable` of its"
+        " arguments; `microbatch` carries the NNX state from one"
+        " micro-batch to the next and needs its structure fixed."
+      ) from e
+
+  def write_back(carried):
+    nnx.update(graph, carried_def.unflatten(carried))
+
+  return step, carried, write_back
 
 
 # ----------------------------------------------------------------------------
@@ -204,6 +473,19 @@ def microbatch(
   all-padding micro-batch); if the total weight is not positive, the loss,
   gradients and floating ``aux`` leaves are zeros, not NaN.
 
+  Flax NNX: ``value_and_grad_fn`` may be ``nnx.value_and_grad(loss_fn)``
+  with the model as argument 0 (other arguments may hold NNX objects too,
+  e.g. an ``nnx.Rngs``); gradients come back as the ``nnx.State`` it
+  returns. The arguments are split once outside the scan and merged inside
+  it: ``nnx.Param`` values are the same at every micro-batch (changes to
+  them during the call are dropped), every other ``nnx.Variable`` (BatchNorm
+  statistics, RNG counts) is carried from one micro-batch to the next and
+  written back to the caller's objects, leaving them as :math:`n` calls one
+  after the other would. So a BatchNorm in training mode normalises with
+  each micro-batch's statistics and updates its running averages
+  :math:`n` times, and dropout masks drawn from the model's ``nnx.Rngs``
+  differ between micro-batches: neither equals the unsplit step.
+
   Dropout and other randomness: put the keys in the batch, one per example,
   e.g. ``batch["rng"] = jax.random.split(key, B)``, so that every
   micro-batch receives the keys of its own rows. Drawing each example's mask
@@ -218,11 +500,14 @@ def microbatch(
     num_microbatches: :math:`n`, a positive int that divides the batch size.
       Peak activation memory scales with :math:`B / n`.
     weight_fn: ``weight_fn(micro_batch) -> scalar``, the weight
-      :math:`w_i` of a micro-batch, e.g. its number of real tokens
+      :math:`w_i` of a micro-batch (a real number: bool, integer or
+      floating, used as float32), e.g. its number of real tokens
       ``lambda b: b["mask"].sum()``. ``None`` weighs micro-batches equally.
     accumulator_dtype: The dtype in which gradients are summed (float32 by
       default, so bf16 gradients do not lose precision); ``None`` keeps each
-      gradient leaf's dtype.
+      gradient leaf's dtype. Complex gradient leaves are summed in the
+      complex dtype of its precision (complex64 for float32); a complex
+      ``accumulator_dtype`` is for complex gradients only.
 
   Returns:
     ``grad_fn(params, batch, *args, **kwargs)``, returning what
@@ -233,12 +518,15 @@ def microbatch(
 
   Raises:
     TypeError, ValueError: At construction, for a ``num_microbatches`` that
-      is not an int (float, bool, str, None) or is below 1, a non-callable
-      ``value_and_grad_fn`` or ``weight_fn``, or a bad
-      ``accumulator_dtype``. At trace time, for a batch with no leaves,
+      is not an int (float, bool, str, None), is below 1 or above the int32
+      range, a non-callable ``value_and_grad_fn`` or ``weight_fn``, or a
+      bad ``accumulator_dtype``. At trace time, for a batch with no leaves,
       scalar leaves, leaves of different leading sizes or a size not
-      divisible by ``num_microbatches``, a non-scalar weight, or an output
-      that does not look like ``jax.value_and_grad``'s.
+      divisible by ``num_microbatches``, a weight that is not a real scalar
+      (``None``, a string, complex, an array), a complex
+      ``accumulator_dtype`` for a real gradient leaf, an output that does
+      not look like ``jax.value_and_grad``'s, or NNX arguments whose
+      variables ``value_and_grad_fn`` adds or removes.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax_accum
@@ -267,111 +555,34 @@ def microbatch(
       " `jax.value_and_grad(loss_fn)`, got"
       f" {type(value_and_grad_fn).__name__}."
     )
-  num_microbatches = _checks.positive_int(num_microbatches, "num_microbatches")
+  n = _checks.positive_int(num_microbatches, "num_microbatches")
+  if n > _INT32_MAX:  # The scan's micro-batch index is an int32.
+    raise ValueError(
+      f"`num_microbatches` must be at most {_INT32_MAX}, got {n}."
+    )
   if weight_fn is not None and not callable(weight_fn):
     raise TypeError(
       "`weight_fn` must be None or a callable `weight_fn(micro_batch) ->"
       f" scalar`, got {type(weight_fn).__name__}."
     )
   accumulator_dtype = _checks.accumulator_dtype(accumulator_dtype)
-  n = num_microbatches
 
   def microbatched(params: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     _batch_size(batch, n)
     if n == 1:
       return value_and_grad_fn(params, batch, *args, **kwargs)
-    split = _split(batch, n)
-
-    def call(index):
-      micro = _micro_batch(split, index)
-      out = value_and_grad_fn(params, micro, *args, **kwargs)
-      if weight_fn is None:
-        return out, None
-      weight = jnp.asarray(weight_fn(micro))
-      if weight.ndim != 0:
-        raise ValueError(
-          "`weight_fn` must return a scalar (one weight per micro-batch),"
-          f" got shape {weight.shape}."
-        )
-      return out, weight.astype(jnp.float32)
-
-    # Closes over the arguments: they need not be valid JAX types.
-    out_shape = jax.eval_shape(lambda: call(0)[0])
-    _check_output(out_shape)
-    leaf_shapes, treedef = jax.tree.flatten(out_shape)
-    # The value's leaves (loss, aux) come first, then the gradient's.
-    num_value_leaves = len(jax.tree.leaves(out_shape[0]))
-    kinds = [_kind(s.dtype) for s in leaf_shapes]
-
-    def acc_dtype(position, shape):
-      if position >= num_value_leaves:  # A gradient leaf.
-        if kinds[position] != _MEAN:
-          return shape.dtype
-        return _checks.leaf_accumulator_dtype(accumulator_dtype, shape.dtype)
-      if kinds[position] == _MEAN:  # The loss or a floating aux leaf.
-        return jnp.promote_types(shape.dtype, jnp.float32)
-      return shape.dtype
-
-    acc_dtypes = [acc_dtype(i, s) for i, s in enumerate(leaf_shapes)]
-
-    def init(kind, dtype, shape):
-      if kind in (_LAST, _FLOAT0):
-        # Not carried: the last values are scan outputs (an extended dtype
-        # has no zeros to start a carry from), float0 is always zeros.
-        return None
-      return _zeros(shape, dtype)
-
-    accs0 = [
-      init(kind, dtype, shape)
-      for kind, dtype, shape in zip(kinds, acc_dtypes, leaf_shapes, strict=True)
-    ]
-    carry0 = (accs0, jnp.zeros([], jnp.float32))
-
-    def body(carry, index):
-      accs, total_weight = carry
-      out, weight = call(index)
-      leaves = treedef.flatten_up_to(out)
-      new_accs, lasts = [], []
-      for kind, acc, value in zip(kinds, accs, leaves, strict=True):
-        if kind == _MEAN:
-          compute = _weighting.compute_dtype(acc.dtype)
-          term = _weighting.weighted_term(value, weight, compute)
-          acc = (acc.astype(compute) + term).astype(acc.dtype)
-        elif kind == _SUM:
-          acc = acc + value
-        elif kind == _ANY:
-          acc = acc | value
-        elif kind == _LAST:
-          lasts.append(value)
-        new_accs.append(acc)
-      if weight is not None:
-        total_weight = total_weight + weight
-      return (new_accs, total_weight), lasts
-
-    (accs, total_weight), lasts = lax.scan(
-      body, carry0, jnp.arange(n, dtype=jnp.int32)
+    nnx = _nnx((params, args, kwargs))
+    if nnx is None:
+      make_step = _plain_step
+    else:
+      make_step = functools.partial(_nnx_step, nnx)
+    step, carried, write_back = make_step(
+      value_and_grad_fn, params, args, kwargs
     )
-
-    lasts = iter(lasts)
-    positive = total_weight > 0
-    safe_weight = jnp.where(positive, total_weight, 1.0)
-    results = []
-    for kind, acc, shape in zip(kinds, accs, leaf_shapes, strict=True):
-      if kind == _MEAN:
-        compute = _weighting.compute_dtype(acc.dtype)
-        if weight_fn is None:
-          mean = acc.astype(compute) / n
-        else:
-          mean = jnp.where(
-            positive, acc.astype(compute) / safe_weight.astype(compute), 0
-          )
-        results.append(mean.astype(shape.dtype))
-      elif kind == _LAST:
-        results.append(next(lasts)[-1])
-      elif kind == _FLOAT0:
-        results.append(np.zeros(shape.shape, jax.dtypes.float0))
-      else:
-        results.append(acc)
-    return treedef.unflatten(results)
+    out, carried = _scan(
+      step, carried, _split(batch, n), n, weight_fn, accumulator_dtype
+    )
+    write_back(carried)
+    return out
 
   return microbatched

@@ -24,85 +24,146 @@ Each is smoothed by its own exponential moving average and only the smoothed
 values are divided: :math:`B_\\text{simple} = \\mathrm{tr}(\\Sigma) / |G|^2`.
 """
 
-from typing import NamedTuple
+import numbers
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from optax_accum._state import AccumulateState
+from optax_accum._state import NoiseScaleState, find_state
 
 
-class _NoiseFields(NamedTuple):
-  """The noise-scale fields of :class:`AccumulateState`, updated together."""
+def check_decay(decay: Any) -> float:
+  """Returns `decay` if it is a real number in [0, 1); raises naming it."""
+  if isinstance(decay, bool) or not (
+    isinstance(decay, numbers.Real) and 0 <= decay < 1
+  ):
+    raise ValueError(
+      f"`noise_scale_decay` must be a float in [0, 1), got {decay!r}."
+    )
+  return float(decay)
 
-  sq_norm_sum: jax.Array
-  count: jax.Array
-  grad_sq: jax.Array
-  trace: jax.Array
-  cycles: jax.Array
 
-
-def _fold_cycle(
-  fields: _NoiseFields,
-  mean_sq_norm: jax.Array,
-  total_weight: jax.Array,
-  decay: float,
-) -> _NoiseFields:
-  """Folds one finished cycle into the moving averages, then resets it."""
-  count = fields.count.astype(jnp.float32)
-  valid = (count >= 2) & (total_weight > 0)
-  safe_count = jnp.where(valid, count - 1, 1.0)
-  safe_weight = jnp.where(valid, total_weight, 1.0)
-  trace = (fields.sq_norm_sum - total_weight * mean_sq_norm) / safe_count
-  grad_sq = mean_sq_norm - trace / safe_weight
-  keep = jnp.asarray(decay, jnp.float32)
-  return _NoiseFields(
-    sq_norm_sum=jnp.zeros_like(fields.sq_norm_sum),
-    count=jnp.zeros_like(fields.count),
-    grad_sq=jnp.where(
-      valid, keep * fields.grad_sq + (1 - keep) * grad_sq, fields.grad_sq
-    ),
-    trace=jnp.where(
-      valid, keep * fields.trace + (1 - keep) * trace, fields.trace
-    ),
-    cycles=fields.cycles + valid.astype(fields.cycles.dtype),
+def init() -> NoiseScaleState:
+  """The sums of a run that has seen nothing."""
+  return NoiseScaleState(
+    sq_norm_sum=jnp.zeros([], jnp.float32),
+    count=jnp.zeros([], jnp.int32),
+    grad_sq=jnp.zeros([], jnp.float32),
+    trace=jnp.zeros([], jnp.float32),
+    cycles=jnp.zeros([], jnp.int32),
   )
 
 
+def sq_norm(tree: Any, scale: Any = 1.0) -> jax.Array:
+  r""":math:`|\text{scale} \cdot x|^2` summed over the leaves, in float32.
+
+  Complex leaves count their modulus, so no imaginary part is lost.
+  """
+  total = jnp.zeros([], jnp.float32)
+  for x in jax.tree.leaves(tree):
+    x = jnp.abs(x) if jnp.iscomplexobj(x) else jnp.asarray(x)
+    total += jnp.sum(jnp.square(x.astype(jnp.float32) * scale))
+  return total
+
+
+def add_micro_batch(
+  noise: NoiseScaleState,
+  grads: Any,
+  weight: jax.Array,
+  accepted: jax.Array,
+  fresh: jax.Array,
+) -> NoiseScaleState:
+  """Adds one micro-batch to the cycle's sums (a fresh cycle starts at 0)."""
+  counted = accepted & (weight > 0)
+  return noise._replace(
+    sq_norm_sum=jnp.where(fresh, 0.0, noise.sq_norm_sum)
+    + jnp.where(counted, weight * sq_norm(grads), 0.0),
+    count=jnp.where(fresh, 0, noise.count) + counted.astype(jnp.int32),
+  )
+
+
+def fold_cycle(
+  noise: NoiseScaleState,
+  mean_sq_norm: jax.Array,
+  total_weight: jax.Array,
+  decay: float,
+) -> NoiseScaleState:
+  """Folds one finished cycle into the moving averages, then resets it."""
+  count = noise.count.astype(jnp.float32)
+  valid = (count >= 2) & (total_weight > 0)
+  safe_count = jnp.where(valid, count - 1, 1.0)
+  safe_weight = jnp.where(valid, total_weight, 1.0)
+  trace = (noise.sq_norm_sum - total_weight * mean_sq_norm) / safe_count
+  grad_sq = mean_sq_norm - trace / safe_weight
+  keep = jnp.asarray(decay, jnp.float32)
+  return NoiseScaleState(
+    sq_norm_sum=jnp.zeros_like(noise.sq_norm_sum),
+    count=jnp.zeros_like(noise.count),
+    grad_sq=jnp.where(
+      valid, keep * noise.grad_sq + (1 - keep) * grad_sq, noise.grad_sq
+    ),
+    trace=jnp.where(
+      valid, keep * noise.trace + (1 - keep) * trace, noise.trace
+    ),
+    cycles=noise.cycles + valid.astype(noise.cycles.dtype),
+  )
+
+
+def _tracked(opt_state: Any, reader: str) -> NoiseScaleState:
+  noise = find_state(opt_state, reader).noise
+  if noise is None:
+    raise ValueError(
+      f"`{reader}` needs the state of"
+      " `accumulate(..., track_noise_scale=True)`; this state was built"
+      " without it, so there is no noise-scale estimate to read."
+    )
+  return noise
+
+
 def noise_scale_components(
-  state: AccumulateState, *, noise_scale_decay: float = 0.99
+  opt_state: Any, *, noise_scale_decay: float = 0.99
 ) -> tuple[jax.Array, jax.Array]:
   """The bias-corrected moving averages of :math:`|G|^2` and :math:`\\mathrm{tr}\\Sigma`.
 
   Args:
-    state: The state of ``accumulate(..., track_noise_scale=True)``.
+    opt_state: The state of ``accumulate(..., track_noise_scale=True)``, or
+      any optimizer state holding exactly one such state (see
+      :func:`optax_accum.has_updated`).
     noise_scale_decay: The decay the transformation was built with (the
       bias correction divides by :math:`1 - \\text{decay}^{n}` after
-      :math:`n` cycles).
+      :math:`n` cycles), in [0, 1).
 
   Returns:
     ``(grad_sq, trace)``, both ``float32[]``; NaN before the first cycle with
     at least two micro-batches of positive weight. ``trace`` is in squared
     gradient units times the unit of ``weight``.
+
+  Raises:
+    TypeError: If `opt_state` holds no AccumulateState.
+    ValueError: If it holds several, if it was built without
+      ``track_noise_scale=True``, or for a decay outside [0, 1).
   """
-  if not isinstance(state, AccumulateState):
-    raise TypeError(
-      f"`state` must be an AccumulateState, got {type(state).__name__}."
-    )
+  decay = check_decay(noise_scale_decay)
+  return bias_corrected(_tracked(opt_state, "noise_scale_components"), decay)
+
+
+def bias_corrected(
+  noise: NoiseScaleState, decay: float
+) -> tuple[jax.Array, jax.Array]:
+  """``(grad_sq, trace)`` divided by :math:`1 - \\text{decay}^n`; NaN at n=0."""
   # jnp.asarray unwraps array-like leaves too, such as the OptArray leaves
   # of a flax.nnx.Optimizer's opt_state.
-  cycles = jnp.asarray(state.noise_cycles)
-  correction = 1 - jnp.asarray(noise_scale_decay, jnp.float32) ** cycles
+  cycles = jnp.asarray(noise.cycles)
+  correction = 1 - jnp.asarray(decay, jnp.float32) ** cycles.astype(jnp.float32)
   ready = cycles > 0
   correction = jnp.where(ready, correction, 1.0)
-  grad_sq = jnp.where(
-    ready, jnp.asarray(state.noise_grad_sq) / correction, jnp.nan
-  )
-  trace = jnp.where(ready, jnp.asarray(state.noise_trace) / correction, jnp.nan)
+  grad_sq = jnp.where(ready, jnp.asarray(noise.grad_sq) / correction, jnp.nan)
+  trace = jnp.where(ready, jnp.asarray(noise.trace) / correction, jnp.nan)
   return grad_sq, trace
 
 
-def noise_scale(state: AccumulateState) -> jax.Array:
+def noise_scale(opt_state: Any) -> jax.Array:
   """The simple gradient noise scale :math:`B_\\text{simple} = \\mathrm{tr}(\\Sigma)/|G|^2`.
 
   McCandlish et al. (2018) show that training up to a batch of about
@@ -114,12 +175,17 @@ def noise_scale(state: AccumulateState) -> jax.Array:
   default weight of 1 the unit is micro-batches.
 
   Args:
-    state: The state of ``accumulate(..., track_noise_scale=True)``.
+    opt_state: The state of ``accumulate(..., track_noise_scale=True)``, or
+      any optimizer state holding exactly one such state.
 
   Returns:
     A ``float32[]``; NaN until the first cycle with at least two micro-batches
     of positive weight. Noisy when :math:`|G|^2` is small: the smoothed
     estimate of :math:`|G|^2` can even be negative early on.
+
+  Raises:
+    TypeError, ValueError: As :func:`noise_scale_components`; in particular
+      a ``ValueError`` for a state built without ``track_noise_scale=True``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optax_accum
@@ -139,5 +205,5 @@ def noise_scale(state: AccumulateState) -> jax.Array:
     McCandlish et al., `An Empirical Model of Large-Batch Training
     <https://arxiv.org/abs/1812.06162>`_, 2018.
   """
-  grad_sq, trace = noise_scale_components(state)
+  grad_sq, trace = noise_scale_components(opt_state)
   return trace / grad_sq

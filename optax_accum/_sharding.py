@@ -10,13 +10,36 @@ from jax.sharding import PartitionSpec as P
 
 
 def _init_fn(tx: Any) -> Callable[[Any], Any]:
-  init = getattr(tx, "init", tx)
-  if not callable(init):
+  """`tx`'s init function; raises naming `tx` for anything else."""
+  init = getattr(tx, "init", None)
+  if callable(init):
+    return init
+  name = getattr(tx, "__name__", None)
+  # A module-level function of optax is a factory (`optax.sgd`); the init
+  # functions it returns are local functions.
+  is_factory = getattr(tx, "__module__", "").split(".")[0] in (
+    "optax",
+    "optax_accum",
+  ) and "<locals>" not in getattr(tx, "__qualname__", "<locals>")
+  if not callable(tx) or is_factory:
+    hint = (
+      f" (call the factory first, e.g. `{name}(...)`)" if is_factory else ""
+    )
     raise TypeError(
       "`tx` must be an optax.GradientTransformation (or its init function),"
-      f" got {tx!r} of type {type(tx).__name__}."
+      f" got {tx!r} of type {type(tx).__name__}{hint}."
     )
-  return init
+
+  def checked_init(params: Any) -> Any:
+    state = tx(params)
+    if isinstance(state, optax.GradientTransformation):
+      raise TypeError(
+        f"`tx` must be an optax.GradientTransformation or its init function,"
+        f" got the factory {tx!r}: call it first."
+      )
+    return state
+
+  return checked_init
 
 
 def _param_shardings(params: Any) -> list[tuple[tuple, tuple, NamedSharding]]:

@@ -1,24 +1,69 @@
-"""The state of :func:`optax_accum.accumulate` and functions that read it."""
+"""The state of :func:`optax_accum.accumulate` and the functions that read it.
 
-from typing import NamedTuple
+The readers (:func:`has_updated`, :func:`inner_state`, the noise-scale
+readers) accept any optimizer state that holds exactly one
+:class:`AccumulateState`: the state itself, an ``optax.chain`` or
+``inject_hyperparams`` state around it, or the ``opt_state`` of a
+``flax.nnx.Optimizer``.
+"""
+
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 
+class NoiseScaleState(NamedTuple):
+  """The gradient-noise-scale sums of ``accumulate(track_noise_scale=True)``.
+
+  Attributes:
+    sq_norm_sum: ``float32[]``. :math:`\\sum_i w_i |g_i|^2` over the current
+      cycle.
+    count: ``int32[]``. Micro-batches with positive weight in the current
+      cycle.
+    grad_sq: ``float32[]``. Exponential moving average of the unbiased
+      per-cycle estimate of :math:`|G|^2` (not bias-corrected; read it with
+      :func:`optax_accum.noise_scale_components`).
+    trace: ``float32[]``. Exponential moving average of the unbiased
+      per-cycle estimate of :math:`\\mathrm{tr}(\\Sigma)`.
+    cycles: ``int32[]``. Cycles folded into the two averages above.
+  """
+
+  sq_norm_sum: jax.Array  # float32[]
+  count: jax.Array  # int32[]
+  grad_sq: jax.Array  # float32[]
+  trace: jax.Array  # float32[]
+  cycles: jax.Array  # int32[]
+
+
+class GrowState(NamedTuple):
+  """The state of the controller :func:`optax_accum.grow_every_k`.
+
+  Attributes:
+    changed_at: ``int32[]``. The noise-scale cycle count
+      (:attr:`NoiseScaleState.cycles`) when k last changed; the controller
+      waits for ``min_cycles`` more before it decides again.
+  """
+
+  changed_at: jax.Array  # int32[]
+
+
 class AccumulateState(NamedTuple):
   """State of :func:`optax_accum.accumulate`.
 
-  Every field is an array (or a tree of arrays), so the state can be saved
-  and restored mid-cycle with any pytree serializer, carried through
-  ``lax.scan``, donated to ``jit`` and sharded like the parameters.
+  Every leaf is an array, so the state can be saved and restored mid-cycle
+  with any pytree serializer, carried through ``lax.scan``, donated to
+  ``jit`` and sharded like the parameters.
 
   Attributes:
     micro_step: ``int32[]``. Micro-batches accepted in the current cycle
       (skipped ones excluded); ``0`` right after an update was emitted.
     step: ``int32[]``. Updates emitted so far: the optimizer step. A schedule
       passed as ``every_k`` is called with this value.
+    every_k: ``int32[]``. The number of micro-batches the current cycle
+      wants; decided when the previous cycle ended, so it never changes
+      mid-cycle (read it with :func:`current_every_k`).
     acc_grads: The accumulator, a tree like the params with leaves in
       ``accumulator_dtype``: :math:`\\sum_i w_i g_i` over the micro-batches
       of the current cycle. When ``micro_step == 0`` it holds no gradient:
@@ -29,39 +74,80 @@ class AccumulateState(NamedTuple):
       accumulated in the current cycle (with the default weight of 1, the
       number of micro-batches). Reset lazily like ``acc_grads``: when
       ``micro_step == 0`` it still holds the last cycle's total.
+    weight_seen: ``float32[2]``. The total weight of the cycles that ended
+      with an update over the whole run (tokens or examples, the unit of
+      ``weight``), as a compensated sum ``[total, -rounding error]`` so that
+      small cycles still count after billions (read it with
+      :func:`weight_seen`).
     inner_state: The wrapped transformation's state; changes only on
-      emitting calls.
+      emitting calls (read it with :func:`inner_state`).
     num_skipped: ``int32[]``. Micro-batches dropped by ``skip_nonfinite``
       over the whole run.
     emitted: ``bool[]``. Whether the most recent ``update`` emitted a real
       update (read it with :func:`has_updated`).
-    noise_sq_norm_sum: ``float32[]``. :math:`\\sum_i w_i |g_i|^2` over the
-      current cycle (only with ``track_noise_scale=True``, else 0).
-    noise_count: ``int32[]``. Micro-batches with positive weight in the
-      current cycle (only with ``track_noise_scale=True``, else 0).
-    noise_grad_sq: ``float32[]``. Exponential moving average of the unbiased
-      per-cycle estimate of :math:`|G|^2` (not bias-corrected; read it with
-      :func:`noise_scale_components`).
-    noise_trace: ``float32[]``. Exponential moving average of the unbiased
-      per-cycle estimate of :math:`\\mathrm{tr}(\\Sigma)`.
-    noise_cycles: ``int32[]``. Cycles folded into the two averages above.
+    noise: A :class:`NoiseScaleState` with ``track_noise_scale=True``,
+      else ``None``.
+    grow: A :class:`GrowState` with ``every_k=grow_every_k(...)``, else
+      ``None``.
   """
 
   micro_step: jax.Array  # int32[]
   step: jax.Array  # int32[]
+  every_k: jax.Array  # int32[]
   acc_grads: optax.Updates
   acc_weight: jax.Array  # float32[]
+  weight_seen: jax.Array  # float32[2]
   inner_state: optax.OptState
   num_skipped: jax.Array  # int32[]
   emitted: jax.Array  # bool[]
-  noise_sq_norm_sum: jax.Array  # float32[]
-  noise_count: jax.Array  # int32[]
-  noise_grad_sq: jax.Array  # float32[]
-  noise_trace: jax.Array  # float32[]
-  noise_cycles: jax.Array  # int32[]
+  noise: NoiseScaleState | None
+  grow: GrowState | None
 
 
-def has_updated(state: AccumulateState) -> jax.Array:
+# The fields that hold one device's own, unreduced sums during a cycle when
+# `axis_name` is used inside `shard_map`; every other field is the same on
+# every device. The one place that knows the layout (see _layout.py).
+DEVICE_LOCAL_FIELDS = {
+  AccumulateState: ("acc_grads", "acc_weight"),
+  NoiseScaleState: ("sq_norm_sum", "count"),
+  GrowState: (),
+}
+
+
+def _is_accumulate_state(x: Any) -> bool:
+  return isinstance(x, AccumulateState)
+
+
+def find_state(opt_state: Any, reader: str) -> AccumulateState:
+  """The one :class:`AccumulateState` inside `opt_state`; raises otherwise.
+
+  Args:
+    opt_state: Any optimizer state (a pytree).
+    reader: The public function asking, for the message.
+  """
+  found = [
+    x
+    for x in jax.tree.leaves(opt_state, is_leaf=_is_accumulate_state)
+    if _is_accumulate_state(x)
+  ]
+  if len(found) == 1:
+    return found[0]
+  if not found:
+    raise TypeError(
+      f"`{reader}` needs an optimizer state that holds the AccumulateState"
+      " of optax_accum.accumulate (the state itself, or an optax.chain,"
+      " inject_hyperparams or nnx.Optimizer state around it); got a"
+      f" {type(opt_state).__name__} with none inside."
+    )
+  raise ValueError(
+    f"`{reader}` needs an optimizer state that holds exactly one"
+    f" AccumulateState, got one with {len(found)} (several accumulate"
+    " transformations): pass the part of the state that holds the one you"
+    " mean, e.g. `opt_state[0]` of an optax.chain."
+  )
+
+
+def has_updated(opt_state: optax.OptState) -> jax.Array:
   """Whether the most recent ``update`` call emitted a real update.
 
   ``False`` on the accumulating calls of a cycle, on calls dropped by
@@ -69,15 +155,21 @@ def has_updated(state: AccumulateState) -> jax.Array:
   when the inner transformation ran.
 
   Args:
-    state: An :class:`AccumulateState` (also found inside an ``optax.chain``
-      state by the caller).
+    opt_state: An optimizer state holding exactly one
+      :class:`AccumulateState` (itself, or inside an ``optax.chain``,
+      ``inject_hyperparams`` or a ``flax.nnx.Optimizer``'s ``opt_state``).
 
   Returns:
     A ``bool[]`` array (batched under ``vmap``).
 
+  Raises:
+    TypeError: If `opt_state` holds no :class:`AccumulateState`.
+    ValueError: If it holds several.
+
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
-    >>> tx = optax_accum.accumulate(optax.sgd(0.1), every_k=2)
+    >>> tx = optax.chain(optax.clip(1.0),
+    ...                  optax_accum.accumulate(optax.sgd(0.1), every_k=2))
     >>> params = jnp.zeros(3)
     >>> state = tx.init(params)
     >>> for _ in range(2):
@@ -86,11 +178,84 @@ def has_updated(state: AccumulateState) -> jax.Array:
     False
     True
   """
-  if not isinstance(state, AccumulateState):
-    raise TypeError(
-      "`state` must be an AccumulateState (the state of"
-      f" optax_accum.accumulate), got {type(state).__name__}."
-    )
   # jnp.asarray unwraps array-like leaves too, such as the OptArray leaves
   # of a flax.nnx.Optimizer's opt_state.
-  return jnp.asarray(state.emitted)
+  return jnp.asarray(find_state(opt_state, "has_updated").emitted)
+
+
+def inner_state(opt_state: optax.OptState) -> optax.OptState:
+  """The state of the transformation wrapped by :func:`accumulate`.
+
+  Use it where a function of the wrapped optimizer needs its own state, for
+  instance ``optax.contrib.schedule_free_eval_params``.
+
+  Args:
+    opt_state: An optimizer state holding exactly one
+      :class:`AccumulateState` (see :func:`has_updated`).
+
+  Returns:
+    ``inner_state`` of that :class:`AccumulateState`, as stored.
+
+  Raises:
+    TypeError: If `opt_state` holds no :class:`AccumulateState`.
+    ValueError: If it holds several.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> params = jnp.ones(2)
+    >>> tx = optax_accum.accumulate(
+    ...     optax.contrib.schedule_free_sgd(1.0), every_k=2)
+    >>> state = tx.init(params)
+    >>> for _ in range(2):
+    ...   updates, state = tx.update(jnp.ones(2), state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> eval_params = optax.contrib.schedule_free_eval_params(
+    ...     optax_accum.inner_state(state), params)
+    >>> print(eval_params)
+    [0. 0.]
+  """
+  return find_state(opt_state, "inner_state").inner_state
+
+
+def current_every_k(opt_state: optax.OptState) -> jax.Array:
+  """How many micro-batches the current cycle wants in all.
+
+  A data loader can ask it at the start of each cycle (``micro_step == 0``)
+  to know how many micro-batches to draw; it changes only between cycles.
+
+  Args:
+    opt_state: An optimizer state holding exactly one
+      :class:`AccumulateState` (see :func:`has_updated`).
+
+  Returns:
+    An ``int32[]``.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(
+    ...     optax.sgd(0.1), optax_accum.piecewise_every_k({3: 2}))
+    >>> params = jnp.zeros(2)
+    >>> state = tx.init(params)
+    >>> for _ in range(5):  # weight 1 per micro-batch
+    ...   print(int(optax_accum.current_every_k(state)), end=" ")
+    ...   _, state = tx.update(jnp.ones(2), state, params)
+    1 1 1 2 2
+  """
+  return jnp.asarray(find_state(opt_state, "current_every_k").every_k)
+
+
+def weight_seen(opt_state: optax.OptState) -> jax.Array:
+  """The total weight of the cycles that ended with an update, over the run.
+
+  With ``weight=`` the number of tokens of each micro-batch, the number of
+  tokens trained on; with the default weight, the number of micro-batches.
+
+  Args:
+    opt_state: An optimizer state holding exactly one
+      :class:`AccumulateState` (see :func:`has_updated`).
+
+  Returns:
+    A ``float32[]``.
+  """
+  seen = jnp.asarray(find_state(opt_state, "weight_seen").weight_seen)
+  return seen[..., 0] - seen[..., 1]

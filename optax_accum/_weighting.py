@@ -7,8 +7,16 @@ import jax.numpy as jnp
 
 
 def compute_dtype(acc_dtype: Any) -> Any:
-  """The dtype in which a gradient is weighted and added (>= float32)."""
-  return jnp.promote_types(acc_dtype, jnp.float32)
+  """The dtype in which a gradient is weighted and added: at least float32.
+
+  Chosen explicitly rather than by type promotion, so that it also works
+  under ``jax_numpy_dtype_promotion="strict"``: 16-bit floats compute in
+  float32, wider and complex dtypes in themselves.
+  """
+  dtype = jnp.dtype(acc_dtype)
+  if dtype.itemsize >= 8 or jnp.issubdtype(dtype, jnp.complexfloating):
+    return dtype
+  return jnp.dtype(jnp.float32)
 
 
 def weighted_term(value: Any, weight: jax.Array | None, compute: Any) -> Any:

@@ -148,34 +148,11 @@ def main(argv=None) -> None:
 
     # shard_map: local gradients, reduced once per optimizer step.
     tx = optax_accum.accumulate(inner, K, axis_name="data")
-    local_fields = (
-      "acc_grads",
-      "acc_weight",
-      "noise_sq_norm_sum",
-      "noise_count",
+    specs = optax_accum.shard_map_specs(
+      jax.eval_shape(tx.init, params0), "data"
     )
-    specs = optax_accum.AccumulateState(
-      **{
-        f: P("data") if f in local_fields else P()
-        for f in optax_accum.AccumulateState._fields
-      }
-    )
-
-    def add_device_axis(state):
-      return state._replace(
-        **{
-          f: jax.tree.map(lambda a: a[None], getattr(state, f))
-          for f in local_fields
-        }
-      )
-
-    def drop_device_axis(state):
-      return state._replace(
-        **{
-          f: jax.tree.map(lambda a: a[0], getattr(state, f))
-          for f in local_fields
-        }
-      )
+    add_device_axis = optax_accum.add_device_axis
+    drop_device_axis = optax_accum.drop_device_axis
 
     init = jax.jit(
       jax.shard_map(

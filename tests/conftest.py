@@ -1,15 +1,14 @@
 """Test set-up shared by the whole suite.
 
-Eight simulated CPU devices for the sharding tests (must be set before JAX is
-imported), and strict JAX: implicit rank promotion raises.
+Eight simulated CPU devices for the sharding tests, and strict JAX: implicit
+rank promotion raises. Both are JAX configuration set before any backend
+starts; nothing here edits ``XLA_FLAGS``, so subprocesses the tests start
+get the environment they choose (one CPU device unless they say otherwise).
 """
 
-import os
+import jax
 
-os.environ.setdefault("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-  os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+NUM_CPU_DEVICES = 8
 
-import jax  # noqa: E402
-
+jax.config.update("jax_num_cpu_devices", NUM_CPU_DEVICES)
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -2,12 +2,16 @@
 
 A smoke test, never a timed test: it proves the scripts still run against the
 current library (arguments, JSON/Markdown/PNG outputs, the checks they
-print), not how fast anything is.
+print, the traffic bench_comm reads from the compiled HLO), not how fast
+anything is. And the figures of benchmarks/README.md are the ones rendered
+from the committed results files.
 """
 
+import importlib.util
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -26,10 +30,6 @@ SCRIPTS = {
     "adam",
     "--dtypes",
     "float32",
-    "--rounds",
-    "2",
-    "--warmup",
-    "1",
   ],
   "bench_train": [
     "--ks",
@@ -48,10 +48,6 @@ SCRIPTS = {
     "2",
     "--d-ff",
     "32",
-    "--rounds",
-    "1",
-    "--warmup",
-    "1",
     "--check-k",
     "2",
     "--check-steps",
@@ -59,23 +55,28 @@ SCRIPTS = {
     "--memory-budget-mb",
     "4",
   ],
+  "bench_comm": [
+    "--devices",
+    "4",
+    "--ks",
+    "3",
+    "--width",
+    "16",
+    "--per-device-batch",
+    "2",
+  ],
 }
+# Every script: the fewest rounds, two repeats (so spreads have a range).
+RUN = ["--rounds", "1", "--warmup", "0", "--repeats", "2"]
 
 
-def _run(script, out_dir):
+def _run(script, *args):
   env = dict(os.environ)
-  # Not the suite's 8 simulated devices (conftest.py); and the least LLVM
-  # optimisation, since compiling is most of a tiny run's time.
+  # The least LLVM optimisation: compiling is most of a tiny run's time.
   env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
-  env["COLUMNS"] = "200"
+  env["COLUMNS"] = "100"
   return subprocess.run(
-    [
-      sys.executable,
-      str(BENCHMARKS / f"{script}.py"),
-      *SCRIPTS[script],
-      "--out",
-      str(out_dir),
-    ],
+    [sys.executable, str(BENCHMARKS / f"{script}.py"), *args],
     capture_output=True,
     text=True,
     env=env,
@@ -92,7 +93,8 @@ def run_once(tmp_path_factory):
   def run(script):
     if script not in runs:
       out_dir = tmp_path_factory.mktemp(script)
-      runs[script] = (_run(script, out_dir), out_dir)
+      result = _run(script, *SCRIPTS[script], *RUN, "--out", str(out_dir))
+      runs[script] = (result, out_dir)
     result, out_dir = runs[script]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out_dir
@@ -117,6 +119,7 @@ def test_script_runs_and_writes_json_markdown_png(script, run_once):
     "device_kind",
   ):
     assert payload["machine"][field] not in (None, ""), field
+  assert payload["args"]["repeats"] == 2
   assert (tmp_path / f"{script}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -155,3 +158,81 @@ def test_bench_train_checks_equivalence_with_the_big_batch(run_once):
     payload["memory_budget"]["accumulate"]["effective_batch"]
     >= (payload["memory_budget"]["big batch"]["effective_batch"])
   )
+
+
+def test_bench_step_records_the_spread_over_repeats(run_once):
+  payload = json.loads((run_once("bench_step") / "bench_step.json").read_text())
+  r = next(r for r in payload["results"] if r["k"] == 2)
+  s = r["spread"]["ratios"]["micro_vs_floor"]
+  assert len(s["values"]) == 2 and s["min"] <= s["median"] <= s["max"]
+  assert s["median"] == pytest.approx(r["ratios"]["micro_vs_floor"])
+
+
+def test_bench_comm_counts_deferred_traffic(run_once):
+  """Payload per optimizer step grows with k when every micro-batch is
+  reduced, and stays at one gradient with `axis_name`."""
+  out = run_once("bench_comm")
+  report = json.loads((out / "bench_comm.json").read_text())
+  assert report["config"]["devices"] == 4
+  rows = {(r["recipe"], r["k"]): r for r in report["results"]}
+  assert all(r["other_collective_ops"] == 0 for r in rows.values())
+  grad_bytes = report["config"]["param_bytes"]
+  for recipe in ("gspmd", "psum_each"):
+    # Every micro-batch: one gradient's worth, outside any conditional.
+    assert rows[recipe, 3]["emitting_bytes"] == 0
+    assert rows[recipe, 3]["bytes_per_step"] >= 3 * grad_bytes
+  # Once per step, inside the emitting branch (+ a few scalars).
+  deferred = rows["axis_name", 3]
+  assert deferred["always_bytes"] < 64 and deferred["holding_bytes"] == 0
+  assert grad_bytes <= deferred["bytes_per_step"] < grad_bytes + 64
+  assert len(deferred["step_ms"]["values"]) == 2
+  assert "| axis_name | 3 |" in (out / "bench_comm.md").read_text()
+
+
+@pytest.mark.parametrize("script", [*SCRIPTS, "render_readme"])
+def test_help(script):
+  result = _run(script, "--help")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "usage:" in result.stdout
+
+
+def _render_readme():
+  spec = importlib.util.spec_from_file_location(
+    "render_readme", BENCHMARKS / "render_readme.py"
+  )
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_readme_figures_are_the_results_files():
+  """Every figure in benchmarks/README.md is rendered from
+  benchmarks/results/*.json: the blocks match a fresh rendering, and no
+  decimal number appears outside them."""
+  render = _render_readme()
+  text = render.README.read_text()
+  assert render.render(text) == text, (
+    "benchmarks/README.md differs from benchmarks/results: run"
+    " `python benchmarks/render_readme.py`"
+  )
+  blocks = list(render.BLOCK.finditer(text))
+  assert {m.group("name") for m in blocks} == set(render.RENDERERS)
+  outside = render.BLOCK.sub("", text)
+  # Code blocks hold commands, not figures.
+  outside = re.sub(r"```.*?```", "", outside, flags=re.S)
+  typed = re.findall(r"\b\d+\.\d+x?\b|\b\d+(?:\.\d+)?x\b", outside)
+  assert not typed, f"figures typed by hand outside results blocks: {typed}"
+
+
+def test_readme_render_catches_a_changed_figure(tmp_path):
+  """The check above is not vacuous: a figure edited by hand is found."""
+  render = _render_readme()
+  text = render.README.read_text()
+  figures = (
+    re.search(r"\| (\d+\.\d\d) ", m.group(0))
+    for m in render.BLOCK.finditer(text)
+  )
+  match = next((m for m in figures if m), None)
+  assert match, "no figure in any results block"
+  edited = text.replace(match.group(0), "| 9" + match.group(1)[1:] + " ", 1)
+  assert render.render(edited) != edited

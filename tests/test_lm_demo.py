@@ -1,4 +1,4 @@
-"""Smoke tests of the LM demo (examples/lm/train.py) at tiny sizes.
+"""Smoke tests of the LM demo (examples/lm/) at tiny sizes.
 
 The demo runs once per module through its command line (a tiny model, a few
 steps); the tests then check what it claims: the weighted run matches the big
@@ -7,12 +7,13 @@ and bad checkpoints fail with a clear error.
 """
 
 import dataclasses
-import importlib.util
+import importlib
 import json
 import pathlib
 import shutil
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -36,26 +37,55 @@ TINY = [
 ]
 
 
+LM = ROOT / "examples" / "lm"
+# The demo's modules import each other by name, as `python main.py` does.
+_LM_MODULES = (
+  "config",
+  "input_pipeline",
+  "models",
+  "checkpointing",
+  "train",
+  "report",
+  "main",
+)
+
+
+def import_lm() -> types.SimpleNamespace:
+  """The demo's modules, imported as `examples/lm/main.py` imports them.
+
+  Their generic names (`train`, `main`, ...) leave `sys.modules` and
+  `sys.path` again, so nothing else in the test session can pick them up.
+  """
+  sys.path.insert(0, str(LM))
+  try:
+    modules = {name: importlib.import_module(name) for name in _LM_MODULES}
+  finally:
+    sys.path.remove(str(LM))
+    for name in _LM_MODULES:
+      sys.modules.pop(name, None)
+  return types.SimpleNamespace(
+    pipeline=modules["input_pipeline"],
+    ckpt=modules["checkpointing"],
+    train=modules["train"],
+    main=modules["main"],
+  )
+
+
 @pytest.fixture(scope="module")
 def lm():
-  spec = importlib.util.spec_from_file_location(
-    "example_lm_train", ROOT / "examples" / "lm" / "train.py"
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return import_lm()
 
 
 @pytest.fixture(scope="module")
 def demo(lm, tmp_path_factory):
   out = tmp_path_factory.mktemp("demo_out")
-  summary = lm.main([*TINY, "--out", str(out)])
+  summary = lm.main.main([*TINY, "--out", str(out)])
   return out, summary
 
 
 @pytest.fixture(scope="module")
 def tiny_cfg(lm):
-  cfg, _ = lm.parse_args(TINY)
+  cfg, _ = lm.main.parse_args(TINY)
   return cfg
 
 
@@ -64,8 +94,8 @@ def test_weighted_accumulation_matches_the_big_batch(demo, lm):
   weighted = summary["runs"]["weighted"]
   assert summary["weighted_matches_reference"]
   # float32 rounding only: a batch of 6 versus three batches of 2.
-  assert weighted["max_abs_dloss"] <= lm.LOSS_ATOL
-  assert weighted["max_abs_dparams"] <= lm.PARAMS_ATOL
+  assert weighted["max_abs_dloss"] <= lm.train.LOSS_ATOL
+  assert weighted["max_abs_dparams"] <= lm.train.PARAMS_ATOL
 
 
 def test_unweighted_accumulation_differs_from_the_big_batch(demo):
@@ -100,26 +130,27 @@ def test_weighted_run_reports_a_noise_scale(demo):
 
 
 def test_no_resume_check_flag(lm):
-  _, args = lm.parse_args([*TINY, "--no-resume-check"])
+  _, args = lm.main.parse_args([*TINY, "--no-resume-check"])
   assert args.resume_check is False
-  _, args = lm.parse_args(TINY)
+  _, args = lm.main.parse_args(TINY)
   assert args.resume_check is True
 
 
 @pytest.mark.parametrize("flag", ["--steps", "--every-k", "--micro-batch"])
 def test_nonpositive_sizes_are_rejected(lm, flag):
   with pytest.raises(SystemExit):
-    lm.parse_args([flag, "0"])
+    lm.main.parse_args([flag, "0"])
 
 
 def test_data_is_deterministic_and_variable_length(lm, tiny_cfg):
-  a, b = lm.load_data(tiny_cfg), lm.load_data(tiny_cfg)
+  a, b = lm.pipeline.load_data(tiny_cfg), lm.pipeline.load_data(tiny_cfg)
   np.testing.assert_array_equal(a.train.tokens, b.train.tokens)
   uneven = False
   for step in range(tiny_cfg.steps):
-    batch = lm.step_batch(tiny_cfg, a.train, step)
+    batch = lm.pipeline.step_batch(tiny_cfg, a.train, step)
     counts = [
-      int(np.sum(m.lengths - 1)) for m in lm.micro_batches(tiny_cfg, batch)
+      int(np.sum(m.lengths - 1))
+      for m in lm.pipeline.micro_batches(tiny_cfg, batch)
     ]
     assert counts == sorted(counts)  # shortest micro-batch first
     uneven |= counts[0] < counts[-1]
@@ -133,21 +164,21 @@ def test_data_is_deterministic_and_variable_length(lm, tiny_cfg):
 
 @pytest.fixture
 def saved(lm, tiny_cfg, tmp_path):
-  model, optimizer = lm.build(tiny_cfg, "weighted")
+  model, optimizer = lm.train.build(tiny_cfg, "weighted")
   path = tmp_path / "ckpt"
-  lm.save_checkpoint(path, tiny_cfg, "weighted", model, optimizer)
+  lm.ckpt.save_checkpoint(path, tiny_cfg, "weighted", model, optimizer)
   return path
 
 
 def test_restore_round_trip(lm, tiny_cfg, saved):
-  model, optimizer = lm.build(tiny_cfg, "weighted")
-  lm.restore_checkpoint(saved, tiny_cfg, "weighted", model, optimizer)
+  model, optimizer = lm.train.build(tiny_cfg, "weighted")
+  lm.ckpt.restore_checkpoint(saved, tiny_cfg, "weighted", model, optimizer)
 
 
 def test_missing_checkpoint_is_a_clear_error(lm, tiny_cfg, tmp_path):
-  model, optimizer = lm.build(tiny_cfg, "weighted")
-  with pytest.raises(lm.CheckpointError, match="is missing or corrupt"):
-    lm.restore_checkpoint(
+  model, optimizer = lm.train.build(tiny_cfg, "weighted")
+  with pytest.raises(lm.ckpt.CheckpointError, match="is missing or corrupt"):
+    lm.ckpt.restore_checkpoint(
       tmp_path / "nothing", tiny_cfg, "weighted", model, optimizer
     )
 
@@ -157,16 +188,16 @@ def test_missing_checkpoint_is_a_clear_error(lm, tiny_cfg, tmp_path):
 )
 def test_other_configuration_names_the_fields(lm, tiny_cfg, saved, change):
   cfg = dataclasses.replace(tiny_cfg, **change)
-  model, optimizer = lm.build(cfg, "weighted")
+  model, optimizer = lm.train.build(cfg, "weighted")
   (field,) = change
-  with pytest.raises(lm.CheckpointError, match=f"`{field}` saved"):
-    lm.restore_checkpoint(saved, cfg, "weighted", model, optimizer)
+  with pytest.raises(lm.ckpt.CheckpointError, match=f"`{field}` saved"):
+    lm.ckpt.restore_checkpoint(saved, cfg, "weighted", model, optimizer)
 
 
 def test_other_mode_is_rejected(lm, tiny_cfg, saved):
-  model, optimizer = lm.build(tiny_cfg, "unweighted")
-  with pytest.raises(lm.CheckpointError, match="`mode` saved 'weighted'"):
-    lm.restore_checkpoint(saved, tiny_cfg, "unweighted", model, optimizer)
+  model, optimizer = lm.train.build(tiny_cfg, "unweighted")
+  with pytest.raises(lm.ckpt.CheckpointError, match="`mode` saved 'weighted'"):
+    lm.ckpt.restore_checkpoint(saved, tiny_cfg, "unweighted", model, optimizer)
 
 
 def test_state_of_another_shape_is_a_clear_error(lm, tiny_cfg, saved):
@@ -176,32 +207,31 @@ def test_state_of_another_shape_is_a_clear_error(lm, tiny_cfg, saved):
   config_file = saved / "config" / "metadata"
   meta = json.loads(config_file.read_text())
   config_file.write_text(json.dumps({**meta, "d_model": 32}))
-  model, optimizer = lm.build(cfg, "weighted")
+  model, optimizer = lm.train.build(cfg, "weighted")
   message = (
     r"does not fit.*has shape \(16,\) float32 in the checkpoint,"
     r" this model expects shape \(32,\) float32"
   )
-  with pytest.raises(lm.CheckpointError, match=message):
-    lm.restore_checkpoint(saved, cfg, "weighted", model, optimizer)
+  with pytest.raises(lm.ckpt.CheckpointError, match=message):
+    lm.ckpt.restore_checkpoint(saved, cfg, "weighted", model, optimizer)
 
 
 _CORRUPT_ARRAYS = """
-import importlib.util, pathlib, sys
+import pathlib, sys
 root, tmp = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-spec = importlib.util.spec_from_file_location("lm", root / "examples/lm/train.py")
-lm = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(lm)
-cfg, _ = lm.parse_args(sys.argv[3:])
-model, optimizer = lm.build(cfg, "weighted")
-lm.save_checkpoint(tmp / "ckpt", cfg, "weighted", model, optimizer)
+sys.path.insert(0, str(root / "examples" / "lm"))
+import checkpointing, main, train
+cfg, _ = main.parse_args(sys.argv[3:])
+model, optimizer = train.build(cfg, "weighted")
+checkpointing.save_checkpoint(tmp / "ckpt", cfg, "weighted", model, optimizer)
 data_files = [p for p in (tmp / "ckpt" / "state").rglob("*")
               if p.is_file() and p.parent.name == "d"]
 assert data_files
 for path in data_files:  # metadata intact, array data overwritten
   path.write_bytes(b"not a checkpoint")
 try:
-  lm.restore_checkpoint(tmp / "ckpt", cfg, "weighted", model, optimizer)
-except lm.CheckpointError as e:
+  checkpointing.restore_checkpoint(tmp / "ckpt", cfg, "weighted", model, optimizer)
+except checkpointing.CheckpointError as e:
   print("CheckpointError:", e)
 """
 
@@ -227,13 +257,13 @@ def test_corrupt_metadata_is_a_clear_error(lm, tiny_cfg, saved):
   for path in (saved / "state").rglob("*"):
     if path.is_file():
       path.write_bytes(b"not a checkpoint")
-  model, optimizer = lm.build(tiny_cfg, "weighted")
-  with pytest.raises(lm.CheckpointError, match="is missing or corrupt"):
-    lm.restore_checkpoint(saved, tiny_cfg, "weighted", model, optimizer)
+  model, optimizer = lm.train.build(tiny_cfg, "weighted")
+  with pytest.raises(lm.ckpt.CheckpointError, match="is missing or corrupt"):
+    lm.ckpt.restore_checkpoint(saved, tiny_cfg, "weighted", model, optimizer)
 
 
 def test_truncated_checkpoint_is_a_clear_error(lm, tiny_cfg, saved):
   shutil.rmtree(saved / "state")
-  model, optimizer = lm.build(tiny_cfg, "weighted")
-  with pytest.raises(lm.CheckpointError, match="is missing or corrupt"):
-    lm.restore_checkpoint(saved, tiny_cfg, "weighted", model, optimizer)
+  model, optimizer = lm.train.build(tiny_cfg, "weighted")
+  with pytest.raises(lm.ckpt.CheckpointError, match="is missing or corrupt"):
+    lm.ckpt.restore_checkpoint(saved, tiny_cfg, "weighted", model, optimizer)

@@ -6,11 +6,15 @@ float32 ulps of values of order 1); they are exact where the arithmetic is
 the same on both sides (one micro-batch, power-of-two exact values).
 """
 
+import importlib.util
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -479,3 +483,255 @@ def test_complex_gradients_keep_their_imaginary_part():
   assert split[1].dtype == jnp.complex64
   # The split loss is a mean of micro-batch sums: half the full sum.
   np.testing.assert_allclose(split[1], full[1] / 2, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# 8. Strict dtype promotion: every dtype is chosen explicitly, every
+#    operation is between operands of one dtype.
+# ---------------------------------------------------------------------------
+
+
+def _strict_loss(w, batch):
+  """Runs under strict promotion for real and complex `w` alike."""
+  err = batch["x"] @ w - batch["y"]
+  sq = jnp.real(err * jnp.conj(err))
+  mask = batch["mask"].astype(sq.dtype)
+  loss = jnp.sum(mask * sq) / jnp.sum(mask)
+  aux = {
+    "tokens": jnp.sum(batch["mask"] > 0),  # int: summed
+    "large": jnp.any(sq > 2),  # bool: or-ed
+  }
+  return loss, aux
+
+
+def _strict_inputs(dtype):
+  rng = np.random.default_rng(5)
+  batch = _batch()
+  w = rng.standard_normal((DIM,))
+  x = np.asarray(batch["x"])
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    w = w + 1j * rng.standard_normal((DIM,))
+    x = x * (1 - 0.5j)
+  batch = dict(batch, x=jnp.asarray(x, dtype), y=batch["y"].astype(dtype))
+  return jnp.asarray(w, dtype), batch
+
+
+# (dtype, accumulator_dtype, tolerance of the comparison with the unsplit
+# step, which computes everything in `dtype`).
+STRICT_CASES = [
+  (jnp.bfloat16, jnp.float32, {"rtol": 2e-2, "atol": 2e-2}),
+  (jnp.bfloat16, None, {"rtol": 2e-2, "atol": 2e-2}),
+  (jnp.float32, jnp.float32, TOL),
+  (jnp.complex64, jnp.float32, TOL),
+  (jnp.complex64, None, TOL),
+]
+
+
+@pytest.mark.parametrize("dtype, accumulator_dtype, tol", STRICT_CASES)
+def test_runs_under_strict_dtype_promotion(
+  maybe_jit, dtype, accumulator_dtype, tol
+):
+  w, batch = _strict_inputs(dtype)
+  value_and_grad = jax.value_and_grad(_strict_loss, has_aux=True)
+  grad_fn = optax_accum.microbatch(
+    value_and_grad, 4, weight_fn=_tokens, accumulator_dtype=accumulator_dtype
+  )
+  with jax.numpy_dtype_promotion("strict"):
+    out = maybe_jit(grad_fn)(w, batch)
+    expected = value_and_grad(w, batch)
+  _assert_trees_close(out, expected, **tol)
+  assert out[1].dtype == dtype
+
+
+@pytest.mark.parametrize(
+  "accumulator_dtype, expected",
+  [(jnp.float32, 0.06640625), (None, 0.0625)],
+)
+def test_bf16_accumulation_is_the_same_under_strict_promotion(
+  maybe_jit, accumulator_dtype, expected
+):
+  def loss_fn(w, batch):
+    return w * jnp.mean(batch)
+
+  batch = jnp.array([1.0] + [2.0**-8] * 15, jnp.bfloat16)
+  grad_fn = optax_accum.microbatch(
+    jax.value_and_grad(loss_fn), 16, accumulator_dtype=accumulator_dtype
+  )
+  with jax.numpy_dtype_promotion("strict"):
+    loss, grad = maybe_jit(grad_fn)(jnp.bfloat16(1.0), batch)
+  assert grad.dtype == jnp.bfloat16 and float(grad) == expected
+  assert loss.dtype == jnp.bfloat16 and float(loss) == 0.06640625
+
+
+def test_complex_accumulator_for_complex_gradients_is_accepted(maybe_jit):
+  w, batch = _strict_inputs(jnp.complex64)
+  value_and_grad = jax.value_and_grad(_strict_loss, has_aux=True)
+  grad_fn = optax_accum.microbatch(
+    value_and_grad, 4, weight_fn=_tokens, accumulator_dtype=jnp.complex64
+  )
+  _assert_trees_close(
+    maybe_jit(grad_fn)(w, batch), value_and_grad(w, batch), **TOL
+  )
+
+
+# ---------------------------------------------------------------------------
+# 9. Bad input at the edges: each error names the argument and the value.
+# ---------------------------------------------------------------------------
+
+
+def test_num_microbatches_beyond_int32_is_rejected_at_construction():
+  with pytest.raises(
+    ValueError,
+    match=r"`num_microbatches` must be at most 2147483647, got 2147483648",
+  ):
+    optax_accum.microbatch(jax.value_and_grad(_loss), 2**31)
+
+
+@pytest.mark.parametrize(
+  "weight, error, match",
+  [
+    (None, TypeError, r"`weight_fn` must return a real scalar.*got None"),
+    ("3", TypeError, r"`weight_fn` must return a real scalar.*got '3'"),
+    (1 + 2j, TypeError, r"`weight_fn` must return a real number.*complex64"),
+    (
+      jnp.ones(2),
+      ValueError,
+      r"`weight_fn` must return a scalar.*got shape \(2,\)",
+    ),
+  ],
+  ids=["None", "str", "complex", "vector"],
+)
+def test_bad_weight_fn_output_names_weight_fn(maybe_jit, weight, error, match):
+  grad_fn = optax_accum.microbatch(
+    jax.value_and_grad(_loss), 4, weight_fn=lambda micro: weight
+  )
+  with pytest.raises(error, match=match):
+    maybe_jit(grad_fn)(_params(), _batch())
+
+
+@pytest.mark.parametrize("weight", [True, 3, np.float64(2.5)])
+def test_bool_int_and_float_weights_are_accepted(maybe_jit, weight):
+  grad_fn = optax_accum.microbatch(
+    jax.value_and_grad(_loss), 4, weight_fn=lambda micro: weight
+  )
+  # Equal weights: the unweighted mean of the micro-batches.
+  expected = optax_accum.microbatch(jax.value_and_grad(_loss), 4)
+  params, batch = _params(), _full_batch()
+  _assert_trees_close(
+    maybe_jit(grad_fn)(params, batch), expected(params, batch), **TOL
+  )
+
+
+def test_complex_accumulator_for_real_gradients_is_rejected(maybe_jit):
+  grad_fn = optax_accum.microbatch(
+    jax.value_and_grad(_loss), 4, accumulator_dtype=jnp.complex64
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"`accumulator_dtype` is complex \(complex64\) but a gradient"
+    r" leaf is real \(float32\).* The leaf: grads\['w1'\]",
+  ):
+    maybe_jit(grad_fn)(_params(), _batch())
+
+
+# ---------------------------------------------------------------------------
+# 10. Flax NNX: the model as argument 0, as `nnx.value_and_grad` takes it.
+# ---------------------------------------------------------------------------
+
+NNX_MODES = {"nojit": lambda f: f, "nnx.jit": nnx.jit}
+
+
+@pytest.fixture(params=list(NNX_MODES), ids=list(NNX_MODES))
+def maybe_nnx_jit(request):
+  return NNX_MODES[request.param]
+
+
+class _Net(nnx.Module):
+  """Linear -> BatchNorm -> Dropout -> Linear: state that changes per call."""
+
+  def __init__(self, rngs, *, stateful):
+    self.hidden = nnx.Linear(DIM, HIDDEN, rngs=rngs)
+    self.norm = nnx.BatchNorm(HIDDEN, rngs=rngs) if stateful else None
+    self.drop = nnx.Dropout(0.5, rngs=rngs) if stateful else None
+    self.out = nnx.Linear(HIDDEN, 1, rngs=rngs)
+
+  def __call__(self, x):
+    h = jnp.tanh(self.hidden(x))
+    if self.norm is not None:
+      h = self.drop(self.norm(h))
+    return self.out(h)[..., 0]
+
+
+def _nnx_loss(model, batch):
+  err = model(batch["x"]) - batch["y"]
+  return jnp.sum(batch["mask"] * err**2) / jnp.sum(batch["mask"])
+
+
+def _nnx_noisy_loss(model, batch, rngs):
+  """Also draws from `rngs`, an extra argument: its count must advance."""
+  noise = jax.random.normal(rngs.noise(), batch["y"].shape)
+  return _nnx_loss(model, dict(batch, y=batch["y"] + noise))
+
+
+def test_nnx_model_gives_the_unsplit_gradient_as_an_nnx_state(maybe_nnx_jit):
+  model, batch = _Net(nnx.Rngs(0), stateful=False), _batch()
+  value_and_grad = nnx.value_and_grad(_nnx_loss)
+  grad_fn = optax_accum.microbatch(value_and_grad, 8, weight_fn=_tokens)
+  loss, grads = maybe_nnx_jit(grad_fn)(model, batch)
+  expected_loss, expected_grads = value_and_grad(model, batch)
+  assert type(grads) is type(expected_grads)  # nnx.State
+  _assert_trees_close((loss, grads), (expected_loss, expected_grads), **TOL)
+
+
+def test_nnx_state_is_carried_as_in_calls_one_after_the_other(maybe_nnx_jit):
+  """BatchNorm statistics, Dropout's and an argument's RNG counts."""
+  n, batch = 4, _full_batch()
+  models = [_Net(nnx.Rngs(0), stateful=True) for _ in range(2)]
+  rngs = [nnx.Rngs(noise=7) for _ in range(2)]
+  value_and_grad = nnx.value_and_grad(_nnx_noisy_loss)
+  grad_fn = maybe_nnx_jit(optax_accum.microbatch(value_and_grad, n))
+  loss, grads = grad_fn(models[0], batch, rngs[0])
+  # Micro-batch i holds rows i, i + n, ...; equal weights.
+  micro_batches = [
+    jax.tree.map(lambda x, i=i: x[i::n], batch) for i in range(n)
+  ]
+  outs = [value_and_grad(models[1], micro, rngs[1]) for micro in micro_batches]
+  expected = jax.tree.map(lambda *xs: sum(xs) / n, *outs)
+  _assert_trees_close((loss, grads), expected, **TOL)
+  for kind in (nnx.BatchStat, nnx.RngCount):
+    states = [nnx.state(model, kind) for model in models]
+    assert jax.tree.leaves(states[0])
+    _assert_trees_close(*states, **TOL)
+  assert int(rngs[0].noise.count[...]) == int(rngs[1].noise.count[...]) == n
+
+
+def test_nnx_variable_added_during_the_call_is_rejected(maybe_nnx_jit):
+  def loss_fn(model, batch):
+    if not hasattr(model, "calls"):
+      model.calls = nnx.BatchStat(jnp.zeros(()))
+    return _nnx_loss(model, batch)
+
+  grad_fn = optax_accum.microbatch(nnx.value_and_grad(loss_fn), 4)
+  with pytest.raises(ValueError, match="`value_and_grad_fn` added or removed"):
+    maybe_nnx_jit(grad_fn)(_Net(nnx.Rngs(0), stateful=False), _batch())
+
+
+def _load_example(name):
+  path = pathlib.Path(__file__).resolve().parent.parent / "examples"
+  spec = importlib.util.spec_from_file_location(name, path / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_nnx_example_checks_itself_and_fails_without_weights(capsys):
+  example = _load_example("nnx_microbatch")
+  assert example.main(["--steps", "2"]) == 0
+  assert "(ok," in capsys.readouterr().out
+  # Equal weights on ragged rows are not the token mean: its check fails.
+  assert example.main(["--steps", "1", "--no-weight-fn"]) == 1
+  assert "MISMATCH" in capsys.readouterr().out
+  with pytest.raises(SystemExit) as exit_info:
+    example.main(["--help"])
+  assert exit_info.value.code == 0
+  assert "--num-microbatches" in capsys.readouterr().out

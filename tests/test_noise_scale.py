@@ -78,7 +78,7 @@ def test_single_micro_batch_cycles_give_no_estimate():
   state = tx.init(params)
   for i in range(3):  # flushed after one micro-batch each time
     _, state = tx.update(G * i, state, params, flush=True)
-  assert int(state.noise_cycles) == 0
+  assert int(state.noise.cycles) == 0
   assert np.isnan(float(optax_accum.noise_scale(state)))
 
 
@@ -108,14 +108,51 @@ def test_skipped_micro_batches_are_left_out():
   )
 
 
-def test_off_by_default_and_costs_no_state_change():
+def test_off_by_default_holds_no_noise_state_and_readers_say_so():
   tx = optax_accum.accumulate(optax.sgd(0.1), 2)
   params = jnp.zeros(D)
   state = tx.init(params)
   for i in range(4):
     _, state = tx.update(G * i, state, params)
+  assert state.noise is None
+  for reader in (optax_accum.noise_scale, optax_accum.noise_scale_components):
+    with pytest.raises(ValueError, match="track_noise_scale=True"):
+      reader(state)
+
+
+def test_before_two_micro_batch_cycle_the_tracked_estimate_is_nan():
+  """ "Not yet known" (NaN) is told apart from "never tracked" (an error)."""
+  tx = optax_accum.accumulate(optax.sgd(0.1), 2, track_noise_scale=True)
+  params = jnp.zeros(D)
+  state = tx.init(params)
+  _, state = tx.update(G, state, params)
   assert np.isnan(float(optax_accum.noise_scale(state)))
-  assert float(state.noise_sq_norm_sum) == 0.0
+
+
+@pytest.mark.parametrize("decay", [-0.1, 1.0, 1.5, float("nan"), "0.9", None])
+def test_reader_decay_outside_unit_interval_is_rejected(decay):
+  state = optax_accum.accumulate(
+    optax.sgd(0.1), 2, track_noise_scale=True
+  ).init(jnp.zeros(D))
+  with pytest.raises(ValueError, match="noise_scale_decay"):
+    optax_accum.noise_scale_components(state, noise_scale_decay=decay)
+
+
+def test_readers_find_the_state_inside_chain_and_inject_hyperparams():
+  acc = optax_accum.accumulate(optax.sgd(0.0), 2, track_noise_scale=True)
+  tx = optax.chain(
+    optax.identity(), optax.inject_hyperparams(optax.scale)(step_size=1.0), acc
+  )
+  params = jnp.zeros(D)
+  state, alone = tx.init(params), acc.init(params)
+  for i in range(6):
+    g = G + SIGMA * jax.random.normal(jax.random.PRNGKey(i), (D,))
+    _, state = tx.update(g, state, params)
+    _, alone = acc.update(g, alone, params)
+  np.testing.assert_array_equal(
+    optax_accum.noise_scale(state), optax_accum.noise_scale(alone)
+  )
+  assert np.isfinite(float(optax_accum.noise_scale(state)))
 
 
 def test_axis_name_matches_single_device():

@@ -18,7 +18,6 @@ import functools
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 
@@ -28,6 +27,7 @@ import optax
 import pytest
 
 import optax_accum
+from optax_accum._hlo import FREE_OPCODES, HloModule
 
 WIDTH, LAYERS, MICRO_BATCH = 512, 4, 8  # 4 MB of float32 params.
 
@@ -157,90 +157,6 @@ def _accumulator_bytes(dtype):
   return LAYERS * WIDTH * WIDTH * jnp.dtype(acc_dtype or param_dtype).itemsize
 
 
-# ----------------------------------------------------------------------------
-# Reading optimized HLO text.
-# ----------------------------------------------------------------------------
-
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(")
-_OPCODE = re.compile(r"=\s.*?\s([a-z][a-z0-9\-]*)\(")
-_CALLED = re.compile(r"\b([a-z_]+)=(\{[^}]*\}|%[\w.\-]+)")
-_BRANCH_KEYS = {"branch_computations", "true_computation", "false_computation"}
-
-
-class _Hlo:
-  """The computations of an HLO module and the edges between them."""
-
-  def __init__(self, text):
-    self.body = {}  # computation name -> instruction lines
-    self.entry = None
-    current = None
-    for line in text.splitlines():
-      if current is None:
-        match = _HEADER.match(line)
-        if match and line.rstrip().endswith("{"):
-          current = match.group(2)
-          self.body[current] = []
-          if match.group(1):
-            self.entry = current
-      elif line.strip() == "}":
-        current = None
-      else:
-        self.body[current].append(line)
-    if self.entry is None:
-      raise ValueError("no ENTRY computation in the HLO text")
-    self.calls = {}  # name -> computations it calls, outside branches
-    self.branches = {}  # name -> branch computations of its conditionals
-    for name, lines in self.body.items():
-      calls, branches = set(), set()
-      for line in lines:
-        for key, value in _CALLED.findall(line):
-          targets = set(re.findall(r"%([\w.\-]+)", value)) & set(self.body)
-          (branches if key in _BRANCH_KEYS else calls).update(targets)
-      self.calls[name], self.branches[name] = calls, branches
-
-  def opcodes(self, name):
-    return [m.group(1) for m in map(_OPCODE.search, self.body[name]) if m]
-
-  def reachable(self, roots, *, through_branches):
-    seen, todo = set(), list(roots)
-    while todo:
-      name = todo.pop()
-      if name in seen:
-        continue
-      seen.add(name)
-      todo += self.calls[name]
-      if through_branches:
-        todo += self.branches[name]
-    return seen
-
-  def unconditional(self):
-    """Computations that run on every call: reachable without a branch."""
-    return self.reachable([self.entry], through_branches=False)
-
-  def conditionals(self):
-    """The branch lists of the conditionals that run on every call."""
-    out = []
-    for name in sorted(self.unconditional()):
-      for line in self.body[name]:
-        targets = [
-          re.findall(r"%([\w.\-]+)", value)
-          for key, value in _CALLED.findall(line)
-          if key in _BRANCH_KEYS
-        ]
-        if targets:
-          out.append([t for group in targets for t in group])
-    return out
-
-  def conditional_branches(self):
-    """Branch computations of the conditionals that run on every call."""
-    return [b for branches in self.conditionals() for b in branches]
-
-  def with_opcode(self, opcodes):
-    return {
-      name for name in self.body if set(self.opcodes(name)) & set(opcodes)
-    }
-
-
 ADAM_SQRT = ("sqrt", "rsqrt")
 
 
@@ -251,14 +167,14 @@ ADAM_SQRT = ("sqrt", "rsqrt")
 
 def test_hlo_reader_sees_sqrt_of_plain_adam_on_every_call():
   """Control for the next test: without accumulation the sqrt is unconditional."""
-  hlo = _Hlo(_compiled("plain", "adam", "f32", 4).as_text())
+  hlo = HloModule(_compiled("plain", "adam", "f32", 4).as_text())
   assert hlo.with_opcode(ADAM_SQRT) & hlo.unconditional()
 
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("variant", ["accumulate", "accumulate+noise"])
 def test_inner_optimizer_runs_only_inside_the_conditional(variant, opt):
-  hlo = _Hlo(_compiled(variant, opt, "f32", 4).as_text())
+  hlo = HloModule(_compiled(variant, opt, "f32", 4).as_text())
   with_sqrt = hlo.with_opcode(ADAM_SQRT)
   assert with_sqrt, "Adam's sqrt vanished from the HLO: the test is stale"
   outside = with_sqrt & hlo.unconditional()
@@ -267,13 +183,9 @@ def test_inner_optimizer_runs_only_inside_the_conditional(variant, opt):
   assert with_sqrt <= in_branches
 
 
-# Ops that move no data: a branch built only from these does no work.
-_FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"}
-
-
 def _holding_branch_work(variant, opt):
   """Instructions of the non-emitting branch that produce big arrays."""
-  hlo = _Hlo(_compiled(variant, opt, "f32", 4).as_text())
+  hlo = HloModule(_compiled(variant, opt, "f32", 4).as_text())
   with_sqrt = hlo.with_opcode(ADAM_SQRT)
 
   def runs_inner(branch):
@@ -288,14 +200,12 @@ def _holding_branch_work(variant, opt):
     if not runs_inner(b)
   ]
   assert holding, "no conditional branch without the inner optimizer"
-  big = re.compile(rf"\[{WIDTH},{WIDTH}\]")
+  big = f"[{WIDTH},{WIDTH}]"
   return [
-    line.strip()[:120]
+    i.line.strip()[:120]
     for b in holding
-    for line in hlo.body[b]
-    if big.search(line.split("=")[1] if "=" in line else "")
-    and _OPCODE.search(line)
-    and _OPCODE.search(line).group(1) not in _FREE
+    for i in hlo.computations[b]
+    if big in i.shape and i.opcode not in FREE_OPCODES
   ]
 
 

@@ -1,0 +1,123 @@
+"""The layout of an :class:`AccumulateState` across ``shard_map``.
+
+With ``accumulate(..., axis_name=...)`` inside ``jax.shard_map``, some leaves
+of the state hold each device's own, unreduced sums during a cycle (the
+accumulator, its weight, the noise-scale sums) while every other leaf is the
+same on every device. Between steps the state lives outside ``shard_map`` as
+global arrays, so the device-local leaves get a leading device axis
+(spec ``P(axis_name)``) and the rest is replicated (spec ``P()``). These
+functions give the specs and convert between the two layouts, so that no
+caller has to know which fields are which.
+"""
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from optax_accum._state import DEVICE_LOCAL_FIELDS, AccumulateState
+
+
+def _is_accumulate_state(x: Any) -> bool:
+  return isinstance(x, AccumulateState)
+
+
+def _device_local_mask(state: AccumulateState) -> AccumulateState:
+  """A prefix of `state`: True above each device-local subtree."""
+
+  def mask(node: Any) -> Any:
+    local = DEVICE_LOCAL_FIELDS[type(node)]
+    return type(node)(**{field: field in local for field in node._fields})
+
+  noise = None if state.noise is None else mask(state.noise)
+  return mask(state)._replace(noise=noise)
+
+
+def _map_accumulate_states(opt_state: Any, fn: Callable, other: Callable):
+  """Maps every AccumulateState in `opt_state` with `fn`, other leaves with
+  `other`."""
+
+  def visit(node: Any) -> Any:
+    return fn(node) if _is_accumulate_state(node) else other(node)
+
+  return jax.tree.map(visit, opt_state, is_leaf=_is_accumulate_state)
+
+
+def shard_map_specs(opt_state: Any, axis_name: Hashable) -> Any:
+  """``PartitionSpec``\\s of an optimizer state in ``shard_map``'s global layout.
+
+  Pass them as the state's ``in_specs`` and ``out_specs`` of the
+  ``jax.shard_map`` whose body calls ``accumulate(..., axis_name=...)``.
+  Inside the body, :func:`drop_device_axis` gives ``update`` the state it
+  expects and :func:`add_device_axis` turns its result back.
+
+  Args:
+    opt_state: The optimizer state (or its ``jax.eval_shape``): an
+      :class:`AccumulateState` or any tree holding them, e.g. an
+      ``optax.chain`` state. Only its structure is read.
+    axis_name: The mesh axis the device-local leaves are spread over, the
+      ``axis_name`` given to :func:`accumulate`.
+
+  Returns:
+    A prefix tree of the state with a ``PartitionSpec`` at each node:
+    ``P(axis_name)`` above every device-local leaf, ``P()`` elsewhere.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(0.1), 4, axis_name="data")
+    >>> specs = optax_accum.shard_map_specs(
+    ...     jax.eval_shape(tx.init, jnp.zeros(3)), "data")
+    >>> print(specs.acc_grads, specs.acc_weight, specs.step, specs.inner_state)
+    P('data',) P('data',) P() P()
+  """
+  local, replicated = P(axis_name), P()
+
+  def specs(state: AccumulateState) -> Any:
+    return jax.tree.map(
+      lambda is_local: local if is_local else replicated,
+      _device_local_mask(state),
+    )
+
+  return _map_accumulate_states(opt_state, specs, lambda _: replicated)
+
+
+def _map_device_local(opt_state: Any, fn: Callable) -> Any:
+  def convert(state: AccumulateState) -> AccumulateState:
+    return jax.tree.map(
+      lambda is_local, sub: jax.tree.map(fn, sub) if is_local else sub,
+      _device_local_mask(state),
+      state,
+    )
+
+  return _map_accumulate_states(opt_state, convert, lambda leaf: leaf)
+
+
+def add_device_axis(opt_state: Any) -> Any:
+  """Inside ``shard_map``: gives the device-local leaves a leading axis of 1.
+
+  The state ``accumulate(..., axis_name=...).update`` returns, made ready to
+  leave ``shard_map`` with the specs of :func:`shard_map_specs`.
+
+  Args:
+    opt_state: An optimizer state in the per-device layout.
+
+  Returns:
+    The same tree, each device-local leaf ``x`` replaced by ``x[None]``.
+  """
+  return _map_device_local(opt_state, lambda x: x[None])
+
+
+def drop_device_axis(opt_state: Any) -> Any:
+  """Inside ``shard_map``: drops the device-local leaves' leading axis.
+
+  The inverse of :func:`add_device_axis`: turns the state received through
+  the specs of :func:`shard_map_specs` into what ``update`` expects.
+
+  Args:
+    opt_state: An optimizer state in the global layout, seen by one device.
+
+  Returns:
+    The same tree, each device-local leaf ``x`` replaced by ``x[0]``.
+  """
+  return _map_device_local(opt_state, lambda x: x[0])

@@ -1,0 +1,337 @@
+"""Bad arguments give early, clear errors that name the argument.
+
+Construction-time checks first, then what can only be checked when
+``update`` is traced, then the state readers and ``state_shardings``. Each
+runtime rule that cannot be checked under ``jit`` is tested for the
+documented behaviour instead.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
+
+MODES = {"nojit": lambda f: f, "jit": jax.jit}
+
+
+@pytest.fixture(params=list(MODES), ids=list(MODES))
+def maybe_jit(request):
+  return MODES[request.param]
+
+
+def _params():
+  return {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
+
+
+def _grads(i):
+  key = jax.random.PRNGKey(i)
+  k1, k2 = jax.random.split(key)
+  return {"w": jax.random.normal(k1, (2, 3)), "b": jax.random.normal(k2, (3,))}
+
+
+def _identity():
+  """An inner that returns the gradient it receives."""
+  return optax.GradientTransformation(
+    lambda p: optax.EmptyState(), lambda u, s, p=None: (u, s)
+  )
+
+
+# ---------------------------------------------------------------------------
+# At construction.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "every_k, error",
+  [
+    (0, ValueError),
+    (-1, ValueError),
+    (2.0, TypeError),
+    (True, TypeError),
+    ("4", TypeError),
+    (None, TypeError),
+    (np.float32(2), TypeError),
+    (jnp.zeros(2, jnp.int32), TypeError),
+    (np.int64(0), ValueError),
+  ],
+  ids=repr,
+)
+def test_bad_every_k_is_rejected_at_construction(every_k, error):
+  with pytest.raises(error, match="every_k") as info:
+    optax_accum.accumulate(optax.sgd(0.1), every_k)
+  assert repr(every_k).split("(")[0] in str(info.value) or str(every_k) in str(
+    info.value
+  )
+
+
+@pytest.mark.parametrize(
+  "every_k", [np.int32(3), np.int64(3), jnp.int32(3), jnp.asarray(3)]
+)
+def test_numpy_and_jax_integer_every_k_are_accepted(every_k):
+  tx = optax_accum.accumulate(_identity(), every_k)
+  params = _params()
+  state = tx.init(params)
+  for i in range(3):
+    _, state = tx.update(_grads(i), state, params)
+  assert optax_accum.has_updated(state)
+
+
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
+    ({"reduction": "max"}, "reduction"),
+    ({"accumulator_dtype": jnp.int32}, "accumulator_dtype"),
+    ({"accumulator_dtype": "nonsense"}, "accumulator_dtype"),
+    ({"noise_scale_decay": 1.0}, "noise_scale_decay"),
+    ({"axis_name": ["a"]}, "axis_name"),
+  ],
+)
+def test_bad_options_name_the_argument(kwargs, match):
+  with pytest.raises((ValueError, TypeError), match=match):
+    optax_accum.accumulate(optax.sgd(0.1), 2, **kwargs)
+
+
+@pytest.mark.parametrize(
+  "inner, hint",
+  [
+    (None, "optax.GradientTransformation"),
+    ("adam", "optax.GradientTransformation"),
+    (optax.adam, "Did you mean to call it"),
+  ],
+  ids=["None", "str", "uncalled_factory"],
+)
+def test_inner_that_is_not_a_transformation_is_rejected(inner, hint):
+  with pytest.raises(TypeError, match=f"`inner`.*{hint}"):
+    optax_accum.accumulate(inner, 2)
+
+
+def test_inner_with_init_and_update_is_accepted():
+  class Duck:  # not a GradientTransformation, but has its two functions
+    init = staticmethod(optax.sgd(1.0).init)
+    update = staticmethod(optax.sgd(1.0).update)
+
+  tx = optax_accum.accumulate(Duck(), 1)
+  out, _ = tx.update(jnp.ones(2), tx.init(jnp.zeros(2)))
+  np.testing.assert_array_equal(out, -jnp.ones(2))
+
+
+@pytest.mark.parametrize("name", ["skip_nonfinite", "track_noise_scale"])
+@pytest.mark.parametrize("value", ["False", None, 2, 0, 1.0])
+def test_flags_must_be_bools(name, value):
+  """`"False"` is truthy: it used to switch the option on silently."""
+  with pytest.raises(TypeError, match=f"`{name}` must be True or False"):
+    optax_accum.accumulate(optax.sgd(0.1), 2, **{name: value})
+
+
+@pytest.mark.parametrize("name", ["skip_nonfinite", "track_noise_scale"])
+def test_numpy_bools_are_accepted(name):
+  optax_accum.accumulate(optax.sgd(0.1), 2, **{name: np.bool_(True)})
+
+
+@pytest.mark.parametrize("every_k", [2**31, 2**40, np.int64(2**31)])
+def test_every_k_beyond_int32_is_rejected_at_construction(every_k):
+  with pytest.raises(ValueError, match=r"`every_k` must be at most 2\*\*31"):
+    optax_accum.accumulate(optax.sgd(0.1), every_k)
+
+
+def test_every_k_at_the_int32_limit_is_accepted():
+  tx = optax_accum.accumulate(_identity(), 2**31 - 1)
+  _, state = tx.update(jnp.ones(2), tx.init(jnp.zeros(2)))
+  assert int(state.micro_step) == 1
+
+
+@pytest.mark.parametrize(
+  "schedule, error, match",
+  [
+    (lambda step: jnp.ones(2), ValueError, "scalar"),
+    (lambda step: "4", TypeError, "number"),
+    (lambda step: None, TypeError, "number"),
+    (lambda step: 1 + 2j, TypeError, "complex"),
+    (lambda step: True, TypeError, "bool"),
+    (lambda step: jnp.nan, ValueError, "NaN"),
+  ],
+  ids=["non_scalar", "str", "None", "complex", "bool", "nan"],
+)
+def test_bad_schedule_values_are_rejected_at_construction(
+  schedule, error, match
+):
+  with pytest.raises(error, match=f"`every_k` schedule.*{match}"):
+    optax_accum.accumulate(optax.sgd(0.1), schedule)
+
+
+def _nan_after_first_step(step):
+  return jnp.where(step >= 1, jnp.nan, 2.0)
+
+
+def test_schedule_nan_raises_when_concrete():
+  """The next cycle's k is decided when a cycle ends: the call ending the
+  first cycle (k = 2 at step 0) finds NaN at step 1 and raises."""
+  tx = optax_accum.accumulate(_identity(), _nan_after_first_step)
+  state, params = tx.init(jnp.zeros(2)), jnp.zeros(2)
+  _, state = tx.update(jnp.ones(2), state, params)
+  with pytest.raises(ValueError, match="`every_k` schedule returned NaN"):
+    tx.update(jnp.ones(2), state, params)
+
+
+def test_schedule_nan_under_jit_holds_the_cycle_until_flush():
+  """Never silently k = 1: no update until `flush=True` ends the cycle."""
+  tx = optax_accum.accumulate(_identity(), _nan_after_first_step)
+  state, params = tx.init(jnp.zeros(2)), jnp.zeros(2)
+  update = jax.jit(tx.update)
+  emitted = []
+  for i in range(8):
+    _, state = update(jnp.ones(2) * i, state, params)
+    emitted.append(bool(optax_accum.has_updated(state)))
+  assert emitted == [False, True] + [False] * 6
+  out, state = update(jnp.ones(2) * 8, state, params, flush=True)
+  assert bool(optax_accum.has_updated(state))
+  np.testing.assert_allclose(out, jnp.full(2, 5.0))  # mean of 2..8
+
+
+def test_schedule_beyond_int32_holds_the_cycle(maybe_jit):
+  tx = optax_accum.accumulate(_identity(), lambda step: 1e12)
+  state, params = tx.init(jnp.zeros(2)), jnp.zeros(2)
+  update = maybe_jit(tx.update)
+  for _ in range(4):
+    _, state = update(jnp.ones(2), state, params)
+  assert int(state.micro_step) == 4 and int(state.step) == 0
+
+
+# ---------------------------------------------------------------------------
+# When update is traced.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flush", [None, "yes", 1, jnp.ones(2, bool)])
+def test_flush_must_be_a_boolean_scalar(maybe_jit, flush):
+  tx = optax_accum.accumulate(optax.sgd(0.1), 2)
+  params = _params()
+  # A string never reaches our check under jit: jax.jit itself rejects it,
+  # naming the argument's path.
+  with pytest.raises(TypeError, match="`flush` must be a boolean|path flush"):
+    maybe_jit(tx.update)(_grads(0), tx.init(params), params, flush=flush)
+
+
+@pytest.mark.parametrize(
+  "weight, error, match",
+  [
+    ("3", TypeError, "real number"),
+    (1 + 1j, TypeError, "real number"),
+    (jnp.asarray(2 + 0j), TypeError, "real number"),
+    (True, TypeError, "real number"),
+  ],
+  ids=["str", "complex", "complex_array", "bool"],
+)
+def test_weight_must_be_a_real_scalar(maybe_jit, weight, error, match):
+  """A complex weight's imaginary part used to be dropped silently."""
+  tx = optax_accum.accumulate(optax.sgd(0.1), 2)
+  params = _params()
+  with pytest.raises(error, match=f"`weight` must be a {match}|path weight"):
+    maybe_jit(tx.update)(_grads(0), tx.init(params), params, weight=weight)
+
+
+def test_concrete_negative_weight_is_rejected():
+  tx = optax_accum.accumulate(optax.sgd(0.1), 2)
+  params = _params()
+  with pytest.raises(ValueError, match="`weight` must be >= 0, got -1.0"):
+    tx.update(_grads(0), tx.init(params), params, weight=-1.0)
+
+
+def test_traced_negative_weight_is_used_as_given():
+  """Under jit a weight is not inspected: the documented signed sum."""
+  tx = optax_accum.accumulate(_identity(), 2)
+  params = jnp.zeros(2)
+  update = jax.jit(tx.update)
+  _, state = update(jnp.array([1.0, 2.0]), tx.init(params), params, weight=3.0)
+  out, _ = update(jnp.array([4.0, 0.0]), state, params, weight=-1.0)
+  np.testing.assert_allclose(out, jnp.array([-0.5, 3.0]))  # (3g0 - g1) / 2
+
+
+def test_complex_gradients_for_real_params_are_rejected(maybe_jit):
+  tx = optax_accum.accumulate(optax.sgd(0.1), 2)
+  params = _params()
+  grads = dict(_grads(0), b=jnp.ones(3, jnp.complex64))
+  with pytest.raises(TypeError, match=r"`updates` leaf \['b'\] is complex"):
+    maybe_jit(tx.update)(grads, tx.init(params), params)
+
+
+def test_complex_accumulator_for_real_params_is_rejected():
+  tx = optax_accum.accumulate(
+    optax.sgd(0.1), 2, accumulator_dtype=jnp.complex64
+  )
+  with pytest.raises(ValueError, match="`accumulator_dtype` is complex"):
+    tx.init(_params())
+
+
+def test_state_of_another_configuration_is_rejected(maybe_jit):
+  plain = optax_accum.accumulate(optax.sgd(0.1), 2)
+  tracked = optax_accum.accumulate(optax.sgd(0.1), 2, track_noise_scale=True)
+  params = _params()
+  with pytest.raises(ValueError, match="track_noise_scale=True"):
+    maybe_jit(tracked.update)(_grads(0), plain.init(params), params)
+
+
+# ---------------------------------------------------------------------------
+# Readers and state_shardings.
+# ---------------------------------------------------------------------------
+
+
+def test_readers_reject_a_state_without_accumulate():
+  state = optax.adam(1e-3).init(jnp.zeros(2))
+  for reader in (
+    optax_accum.has_updated,
+    optax_accum.inner_state,
+    optax_accum.noise_scale,
+  ):
+    with pytest.raises(TypeError, match="holds the AccumulateState"):
+      reader(state)
+
+
+def test_readers_reject_a_state_with_two_accumulates():
+  acc = optax_accum.accumulate(optax.sgd(0.1), 2)
+  state = optax.chain(acc, acc).init(jnp.zeros(2))
+  with pytest.raises(ValueError, match="exactly one AccumulateState, got .* 2"):
+    optax_accum.has_updated(state)
+  # The part that holds the one meant is accepted.
+  assert not bool(optax_accum.has_updated(state[0]))
+
+
+@pytest.mark.parametrize("tx", [optax.sgd, optax_accum.accumulate, 3])
+def test_state_shardings_rejects_what_is_not_a_transformation(tx):
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  params = {"w": jax.device_put(jnp.zeros(2), NamedSharding(mesh, P()))}
+  with pytest.raises(TypeError, match="`tx` must be an optax"):
+    optax_accum.state_shardings(tx, params)
+
+
+def test_tree_mismatch_names_the_key_path(maybe_jit):
+  tx = optax_accum.accumulate(optax.adam(1e-3), 2)
+  params = _params()
+  state = tx.init(params)
+  update = maybe_jit(tx.update)
+  bad_shape = {"w": jnp.ones((3, 2)), "b": jnp.ones(3)}
+  with pytest.raises(ValueError, match=r"\['w'\].*\(3, 2\).*\(2, 3\)"):
+    update(bad_shape, state, params)
+  bad_tree = {"w": jnp.ones((2, 3)), "c": jnp.ones(3)}
+  with pytest.raises(ValueError, match=r"missing leaves: \[\"\['b'\]\"\]"):
+    update(bad_tree, state, params)
+
+
+def test_non_scalar_weight_is_rejected(maybe_jit):
+  tx = optax_accum.accumulate(optax.adam(1e-3), 2)
+  params = _params()
+  state = tx.init(params)
+  with pytest.raises(ValueError, match=r"`weight` must be a scalar.*\(2,\)"):
+    maybe_jit(tx.update)(_grads(0), state, params, weight=jnp.ones(2))
+
+
+def test_noise_scale_decay_accepts_numpy_reals():
+  tx = optax_accum.accumulate(
+    optax.sgd(0.1), 2, track_noise_scale=True, noise_scale_decay=np.float32(0.9)
+  )
+  assert isinstance(tx, optax.GradientTransformationExtraArgs)

@@ -1,0 +1,355 @@
+"""The docs run: every README's Python blocks, the examples' --help, packaging.
+
+README blocks. Every ```python block of every README below is executed. The
+blocks of one README run in order in one namespace, so a later block can use
+names an earlier one defined. Two markers, an HTML comment on the line just
+above a block's opening fence, change that:
+
+* ``<!-- docs-test: setup=NAME -->`` first runs ``SETUPS[NAME]`` (below) in
+  the README's namespace: the model, data or step that the prose leaves to
+  the reader. Keep setups small; they are part of the docs' contract.
+* ``<!-- docs-test: skip: REASON -->`` does not run the block (a cluster, a
+  network). Used sparingly: `test_few_blocks_are_skipped` caps the count.
+
+A ```text block right after a ```python block (nothing but blank lines
+between) is the block's expected output: what the block prints must equal it.
+Doctest-style ``>>>`` examples live in docstrings and run as doctests.
+"""
+
+import ast
+import contextlib
+import dataclasses
+import importlib.util
+import io
+import pathlib
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+import optax_accum
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+READMES = [
+  path
+  for path in (
+    ROOT / "README.md",
+    ROOT / "examples" / "README.md",
+    ROOT / "examples" / "lm" / "README.md",
+    ROOT / "benchmarks" / "README.md",
+  )
+  if path.exists()
+]
+MAX_SKIPPED = 2
+
+# The names a block uses but the prose leaves to the reader. `_docs_tmp` is a
+# fresh directory (set by the runner).
+SETUPS = {
+  # `params` for a linear model x @ w, and 6 micro-batches of 8 rows,
+  # each with its own number of real rows (`mask`).
+  "micro_batches": """
+import jax, jax.numpy as jnp, numpy as np
+_rng = np.random.default_rng(0)
+params = {"w": jnp.zeros((3, 1))}
+micro_batches = [
+  {
+    "x": jnp.asarray(_rng.normal(size=(8, 3)), jnp.float32),
+    "y": jnp.asarray(_rng.normal(size=(8, 1)), jnp.float32),
+    "mask": (jnp.arange(8) < real).astype(jnp.float32),
+  }
+  for real in (8, 3, 5, 1, 6, 2)
+]
+""",
+  # A linen model, its params, one micro-batch's gradients and tokens.
+  "linen": """
+import jax, jax.numpy as jnp, optax, optax_accum
+import flax.linen as nn
+model = nn.Dense(1)
+params = model.init(jax.random.key(0), jnp.ones((1, 3)))
+grads = jax.tree.map(jnp.ones_like, params)
+n_tokens = jnp.float32(5)
+""",
+  # Params whose `w` rows split over 8 devices, a step, a batch.
+  "fsdp": """
+import jax, jax.numpy as jnp, optax, optax_accum
+params = {"w": jnp.zeros((16, 4)), "b": jnp.zeros((1, 4))}
+batch = {"x": jnp.ones((16, 16)), "y": jnp.ones((16, 4))}
+def train_step(params, opt_state, batch):
+  def loss_fn(params):
+    pred = batch["x"] @ params["w"] + params["b"]
+    return jnp.mean((pred - batch["y"]) ** 2)
+  updates, opt_state = tx.update(jax.grad(loss_fn)(params), opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
+""",
+  # The previous block's optimizer state, saved with Orbax at `path`.
+  "orbax_saved": """
+import orbax.checkpoint as ocp
+path = _docs_tmp / "opt_state"
+with ocp.StandardCheckpointer() as _checkpointer:
+  _checkpointer.save(path, opt_state)
+""",
+  # A token-mean loss returning its token count, params, and 8 micro-batches
+  # of 16 sequences (2 per device) with 1 to 4 real tokens each.
+  "shard_map": """
+import jax, jax.numpy as jnp, numpy as np, optax, optax_accum
+def loss_fn(params, x, y, mask):
+  pred = jnp.einsum("btd,do->bto", x, params["w"]) + params["b"][None, None]
+  err = jnp.sum((pred - y) ** 2, axis=-1)
+  tokens = jnp.sum(mask)
+  return jnp.sum(err * mask) / jnp.maximum(tokens, 1.0), tokens
+params = {"w": jnp.zeros((8, 2)), "b": jnp.zeros(2)}
+_rng = np.random.default_rng(0)
+data_parallel_micro_batches = [
+  (
+    _rng.normal(size=(16, 4, 8)).astype(np.float32),
+    _rng.normal(size=(16, 4, 2)).astype(np.float32),
+    (np.arange(4) < _rng.integers(1, 5, size=(16, 1))).astype(np.float32),
+  )
+  for _ in range(8)
+]
+""",
+}
+
+_MARKER = re.compile(
+  r"<!--\s*docs-test:\s*(setup=(?P<setup>\w+)|skip:(?P<skip>.+?))\s*-->"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+  path: pathlib.Path
+  line: int  # 1-based line of the opening fence
+  code: str
+  setup: str | None
+  skip: str | None
+  expected_output: str | None
+
+  @property
+  def id(self) -> str:
+    return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def python_blocks(path: pathlib.Path) -> list[Block]:
+  """The ```python blocks of a Markdown file, with markers and outputs."""
+  lines = path.read_text().splitlines()
+  fences = []  # (info, first line index, code)
+  i = 0
+  while i < len(lines):
+    if lines[i].startswith("```"):
+      info, start = lines[i][3:].strip(), i
+      end = next(j for j in range(i + 1, len(lines)) if lines[j] == "```")
+      fences.append((info, start, end, "\n".join(lines[start + 1 : end])))
+      i = end
+    i += 1
+  blocks = []
+  for n, (info, start, end, code) in enumerate(fences):
+    if info != "python":
+      continue
+    before = next(
+      (lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), ""
+    )
+    marker = _MARKER.fullmatch(before.strip())
+    output = None
+    if n + 1 < len(fences) and fences[n + 1][0] == "text":
+      between = lines[end + 1 : fences[n + 1][1]]
+      if not any(line.strip() for line in between):
+        output = fences[n + 1][3]
+    blocks.append(
+      Block(
+        path=path,
+        line=start + 1,
+        code=code,
+        setup=marker and marker["setup"],
+        skip=marker and marker["skip"] and marker["skip"].strip(),
+        expected_output=output,
+      )
+    )
+  return blocks
+
+
+BLOCKS = [block for path in READMES for block in python_blocks(path)]
+
+
+class _Runner:
+  """Runs one README's blocks in order, in one namespace, once each."""
+
+  def __init__(self, tmp: pathlib.Path):
+    self.namespace = {"__name__": "__docs__", "_docs_tmp": tmp}
+    self.done: dict[int, tuple[BaseException | None, str]] = {}
+
+  def run(self, block: Block) -> tuple[BaseException | None, str]:
+    if block.line not in self.done:
+      stdout = io.StringIO()
+      error = None
+      try:
+        with contextlib.redirect_stdout(stdout):
+          if block.setup:
+            exec(SETUPS[block.setup], self.namespace)
+          exec(compile(block.code, block.id, "exec"), self.namespace)
+      except Exception as e:  # re-raised by the block's own test
+        error = e
+      self.done[block.line] = (error, stdout.getvalue())
+    return self.done[block.line]
+
+
+_RUNNERS: dict[pathlib.Path, _Runner] = {}
+
+
+@pytest.fixture
+def runner(request, tmp_path_factory):
+  def get(path: pathlib.Path) -> _Runner:
+    if path not in _RUNNERS:
+      _RUNNERS[path] = _Runner(tmp_path_factory.mktemp("docs"))
+    return _RUNNERS[path]
+
+  return get
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_readme_block_runs(block, runner):
+  if block.skip:
+    pytest.skip(block.skip)
+  readme = runner(block.path)
+  # Earlier blocks first (when this test runs alone, e.g. with -k).
+  for earlier in python_blocks(block.path):
+    if earlier.line == block.line:
+      break
+    if not earlier.skip:
+      readme.run(earlier)
+  error, stdout = readme.run(block)
+  if error is not None:
+    raise error
+  if block.expected_output is not None:
+    assert stdout.rstrip() == block.expected_output.rstrip()
+
+
+def test_blocks_are_found_and_markers_are_known():
+  assert {b.path.name for b in BLOCKS} >= {"README.md"}
+  assert len(BLOCKS) >= 10
+  used = {b.setup for b in BLOCKS if b.setup}
+  assert used <= set(SETUPS), used - set(SETUPS)
+  assert set(SETUPS) <= used, f"unused setups: {set(SETUPS) - used}"
+  for path in READMES:
+    text = path.read_text()
+    # Every marker sits right above a python block (no stray, ignored ones).
+    markers = re.findall(r"^<!-- docs-test:", text, flags=re.M)
+    assert len(markers) == sum(
+      1 for b in python_blocks(path) if b.setup or b.skip
+    ), path
+    for block in python_blocks(path):
+      ast.parse(block.code)  # skipped blocks must at least be Python
+
+
+def test_few_blocks_are_skipped():
+  skipped = [b.id for b in BLOCKS if b.skip]
+  assert len(skipped) <= MAX_SKIPPED, skipped
+
+
+def test_lr_schedule_output_in_the_guide_is_the_scripts():
+  spec = importlib.util.spec_from_file_location(
+    "example_lr_schedules", ROOT / "examples" / "lr_schedules.py"
+  )
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  stdout = io.StringIO()
+  with contextlib.redirect_stdout(stdout):
+    module.main()
+  guide = (ROOT / "examples" / "README.md").read_text()
+  for line in stdout.getvalue().splitlines():
+    assert line.rstrip() in guide, line
+
+
+# ---------------------------------------------------------------------------
+# Every example answers --help.
+# ---------------------------------------------------------------------------
+
+EXAMPLE_SCRIPTS = sorted(
+  path
+  for path in (ROOT / "examples").rglob("*.py")
+  if 'if __name__ == "__main__":' in path.read_text()
+)
+
+
+def test_every_example_answers_help():
+  assert ROOT / "examples" / "lm" / "main.py" in EXAMPLE_SCRIPTS
+  # All at once: each pays for importing JAX, none runs anything.
+  procs = {
+    path: subprocess.Popen(
+      [sys.executable, str(path), "--help"],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+      cwd=ROOT,
+    )
+    for path in EXAMPLE_SCRIPTS
+  }
+  for path, proc in procs.items():
+    out, err = proc.communicate(timeout=300)
+    name = path.relative_to(ROOT)
+    assert proc.returncode == 0, f"{name}: {err[-2000:]}"
+    assert out.startswith("usage:"), f"{name}: {out[:300]}"
+
+
+# ---------------------------------------------------------------------------
+# Install and packaging.
+# ---------------------------------------------------------------------------
+
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+_CLEAN_IMPORT = """
+import sys
+# Anything beyond jax and optax: importing it now raises ImportError.
+for name in ("flax", "chex", "orbax", "orbax.checkpoint", "rich",
+             "matplotlib", "hypothesis", "pytest"):
+  sys.modules[name] = None
+import jax.numpy as jnp, optax
+import optax_accum
+tx = optax_accum.accumulate(optax.adam(1e-3), 2)
+state = tx.init({"w": jnp.ones(3)})
+updates, state = tx.update({"w": jnp.ones(3)}, state, weight=2.0)
+print("ok", bool(optax_accum.has_updated(state)))
+"""
+
+
+def test_import_needs_only_jax_and_optax():
+  names = {
+    re.split(r"[<>=!~\[ ;]", dep, maxsplit=1)[0]
+    for dep in PYPROJECT["project"]["dependencies"]
+  }
+  assert names == {"jax", "optax"}
+  result = subprocess.run(
+    [sys.executable, "-c", _CLEAN_IMPORT],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=300,
+    check=False,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.strip() == "ok False"
+
+
+def test_version_has_one_source():
+  project = PYPROJECT["project"]
+  assert "version" not in project
+  assert "version" in project["dynamic"]
+  attr = PYPROJECT["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+  assert attr == "optax_accum.__version__"
+  assert re.fullmatch(r"\d+\.\d+\.\d+", optax_accum.__version__)
+
+
+def test_license_is_an_spdx_string():
+  assert PYPROJECT["project"]["license"] == "Apache-2.0"
+  # SPDX strings need setuptools >= 77; older ones warn or fail.
+  (setuptools,) = [
+    r for r in PYPROJECT["build-system"]["requires"] if "setuptools" in r
+  ]
+  assert re.fullmatch(r"setuptools>=(\d+)", setuptools)
+  assert int(setuptools.split(">=")[1]) >= 77
+
+
+def test_test_extra_has_hypothesis():
+  extras = PYPROJECT["project"]["optional-dependencies"]
+  assert any(dep.startswith("hypothesis") for dep in extras["test"])
