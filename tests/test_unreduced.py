@@ -7,7 +7,6 @@ devices: data parallel, data x tensor parallel, and FSDP.
 """
 
 import importlib
-import re
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _unreduced
+from optax_accum import _collectives, _unreduced
 
 VOCAB, DIM, OUT = 16, 8, 4
 BATCH, SEQ = 16, 5
@@ -118,29 +117,6 @@ def _close(actual, expected, atol=ATOL):
     )
 
 
-def _collectives(hlo: str) -> list[tuple[str, str, int]]:
-  """(computation, op, bytes) of every collective in compiled HLO text."""
-  sizes = {"f32": 4, "s32": 4, "pred": 1, "bf16": 2, "f64": 8}
-  found, computation = [], None
-  for line in hlo.splitlines():
-    if line and not line.startswith(" ") and line.rstrip().endswith("{"):
-      words = line.split()
-      computation = words[1] if words[0] == "ENTRY" else words[0]
-    match = re.search(
-      r" = (.*?) (all-reduce|all-gather|reduce-scatter|all-to-all|"
-      r"collective-permute)(-start)?\(",
-      line,
-    )
-    if match:
-      size = 0
-      for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", match.group(1)):
-        size += sizes.get(dtype, 4) * int(
-          np.prod([int(d) for d in dims.split(",") if d])
-        )
-      found.append((computation, match.group(2), size))
-  return found
-
-
 # Eager calls only on the data-parallel layout: compiling is the slow part.
 CASES = [(layout, True) for layout in LAYOUTS] + [("dp", False)]
 
@@ -218,22 +194,21 @@ def test_micro_step_compiles_without_parameter_sized_all_reduce(layout):
   with jax.set_mesh(mesh):
     params, batch = _put(mesh, layout, _init_params(), _make_batch(1))
     fn = jax.jit(_unreduced.local_value_and_grad(_token_mean, has_weight=True))
-    micro = _collectives(fn.lower(params, batch).compile().as_text())
+    micro = _collectives.collectives(fn, params, batch)
     grads = fn(params, batch)[1]
-    reduce = jax.jit(_reduce_like).lower(grads, params).compile().as_text()
-  all_reduces = [c for c in micro if c[1] == "all-reduce"]
+    reduce_ops = _collectives.collectives(jax.jit(_reduce_like), grads, params)
+  all_reduces = [c for c in micro if c.opcode == "all-reduce"]
   param_bytes = sum(4 * p.size for p in jax.tree.leaves(_init_params()))
   # The loss and weight travel together: one all-reduce of two scalars.
   # (Tensor parallelism adds its own activation all-reduce over "model".)
-  assert [c[2] for c in all_reduces if c[2] <= 8] == [8]
-  assert all(c[2] < 4 * BATCH * SEQ for c in all_reduces), micro
-  assert not any(c[1] == "reduce-scatter" for c in micro), micro
+  assert [c.bytes for c in all_reduces if c.bytes <= 8] == [8], micro
+  assert all(c.bytes < 4 * BATCH * SEQ for c in all_reduces), micro
+  assert not any(c.opcode == "reduce-scatter" for c in micro), micro
   # The reduction is the single parameter-sized collective (full size on
   # every device: the FSDP accumulator is not sharded over "data").
-  reduce_ops = _collectives(reduce)
   assert len(reduce_ops) == 1, reduce_ops
   expected_bytes = param_bytes // (2 if layout == "tp" else 1)
-  assert reduce_ops[0][2] >= expected_bytes * 0.9, (reduce_ops, param_bytes)
+  assert reduce_ops[0].bytes >= expected_bytes * 0.9, (reduce_ops, param_bytes)
 
 
 @pytest.mark.parametrize("use_jit", [True, False], ids=["jit", "eager"])
