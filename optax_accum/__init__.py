@@ -25,6 +25,7 @@ from optax_accum._state import current_every_k as current_every_k
 from optax_accum._state import has_updated as has_updated
 from optax_accum._state import inner_state as inner_state
 from optax_accum._state import weight_seen as weight_seen
+from optax_accum._unreduced import local_value_and_grad as local_value_and_grad
 
 __version__ = "0.1.0"
 
@@ -43,6 +44,7 @@ __all__ = (
   "has_updated",
   "inner_for_every_k",
   "inner_state",
+  "local_value_and_grad",
   "microbatch",
   "noise_scale",
   "noise_scale_components",
