@@ -645,8 +645,8 @@ def _update(
   mean_sq = None
   if noise is not None and config.axis_name is None:
     mean_sq = _local_mean_sq_norm(enter, acc, total_weight)
-  cond = lax.cond if config.axis_name is None else _vma.cond
-  out, total_weight, noise, inner_state, emitted, cycle_weight = cond(
+  # _vma.cond is lax.cond unless an operand varies over a shard_map axis.
+  out, total_weight, noise, inner_state, emitted, cycle_weight = _vma.cond(
     enter,
     functools.partial(_emit, config, inner, plan, extra_args),
     functools.partial(_hold, plan),
