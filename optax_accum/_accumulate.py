@@ -233,21 +233,9 @@ def _check_grads_match(grads: Any, acc_grads: Any) -> None:
 
 def _check_weight(weight: Any) -> jax.Array:
   """`weight` as a float32[]; raises naming it. Concrete negatives raise."""
-  if isinstance(weight, str | bytes):
-    raise TypeError(f"`weight` must be a real number, got {weight!r}.")
-  w = jnp.asarray(weight)
-  if w.ndim != 0:
-    raise ValueError(
-      "`weight` must be a scalar (one value per micro-batch), got shape"
-      f" {w.shape}."
-    )
-  if not (
-    jnp.issubdtype(w.dtype, jnp.integer)
-    or jnp.issubdtype(w.dtype, jnp.floating)
-  ):
-    raise TypeError(
-      f"`weight` must be a real number, got a value of dtype {w.dtype}."
-    )
+  w = _checks.real_scalar(
+    weight, "`weight` must be", " (one value per micro-batch)"
+  )
   if not isinstance(w, jax.core.Tracer) and np.asarray(w) < 0:
     raise ValueError(f"`weight` must be >= 0, got {np.asarray(w)}.")
   return w.astype(jnp.float32)

@@ -236,25 +236,9 @@ def schedule_value(value: Any) -> jax.Array:
   too large for int32 holds the cycle open (no update until ``flush``) when
   it is only known at run time; a concrete NaN raises.
   """
-  if value is None or isinstance(value, str | bytes):
-    raise TypeError(
-      "`every_k` schedule must return a number (the cycle length), got"
-      f" {value!r}."
-    )
-  k = jnp.asarray(value)
-  if k.ndim != 0:
-    raise ValueError(
-      "`every_k` schedule must return a scalar, got a value of shape"
-      f" {k.shape}."
-    )
-  if not (
-    jnp.issubdtype(k.dtype, jnp.integer)
-    or jnp.issubdtype(k.dtype, jnp.floating)
-  ):
-    raise TypeError(
-      "`every_k` schedule must return an integer or a real number, got a"
-      f" value of dtype {k.dtype}."
-    )
+  k = _checks.real_scalar(
+    value, "`every_k` schedule must return", " (the cycle length)"
+  )
   if jnp.issubdtype(k.dtype, jnp.integer):
     return jnp.minimum(jnp.maximum(k, 1), INT32_MAX).astype(jnp.int32)
   if not isinstance(k, jax.core.Tracer) and np.isnan(np.asarray(k)):

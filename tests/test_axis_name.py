@@ -21,16 +21,6 @@ import optax_accum
 from optax_accum._hlo import HloModule, array_shapes
 
 N_DEV = 8
-MODES = {"nojit": lambda f: f, "jit": jax.jit}
-
-
-def _flat(tree):
-  return {
-    jax.tree_util.keystr(path): leaf
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-  }
-
-
 # ---------------------------------------------------------------------------
 # 2. Deferred reduction over `axis_name`.
 # ---------------------------------------------------------------------------

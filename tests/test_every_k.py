@@ -6,6 +6,7 @@ Every test runs with and without jit where both apply.
 
 import functools
 
+import _common
 import chex
 import flax.serialization
 import jax
@@ -16,21 +17,6 @@ import pytest
 
 import optax_accum
 
-MODES = {"nojit": lambda f: f, "jit": jax.jit}
-
-
-@pytest.fixture(params=list(MODES), ids=list(MODES))
-def maybe_jit(request):
-  return MODES[request.param]
-
-
-def _identity():
-  """An inner that returns the gradient it receives."""
-  return optax.GradientTransformation(
-    lambda p: optax.EmptyState(), lambda u, s, p=None: (u, s)
-  )
-
-
 # ---------------------------------------------------------------------------
 # k from the weight seen.
 # ---------------------------------------------------------------------------
@@ -40,7 +26,7 @@ def test_token_schedule_emits_in_the_exact_pattern_with_one_trace():
   """10 tokens per micro-batch; k = 1 until 30 tokens, 2 until 70, then 4:
   updates on calls 1, 2, 3 (30 seen), 5, 7 (70 seen), 11 and 15."""
   tx = optax_accum.accumulate(
-    _identity(), optax_accum.piecewise_every_k({30: 2, 70: 4})
+    _common.identity(), optax_accum.piecewise_every_k({30: 2, 70: 4})
   )
   params = jnp.zeros(2)
   state = tx.init(params)
@@ -62,7 +48,7 @@ def test_token_schedule_emits_in_the_exact_pattern_with_one_trace():
 
 
 def test_schedule_of_the_step_alone_still_works(maybe_jit):
-  tx = optax_accum.accumulate(_identity(), lambda step: step + 1)
+  tx = optax_accum.accumulate(_common.identity(), lambda step: step + 1)
   params = jnp.zeros(1)
   state = tx.init(params)
   update = maybe_jit(tx.update)
@@ -80,7 +66,7 @@ def test_k_never_changes_mid_cycle(maybe_jit, seed):
   micro-batches: k changes only on calls that end a cycle."""
   rng = np.random.default_rng(seed)
   tx = optax_accum.accumulate(
-    _identity(),
+    _common.identity(),
     optax_accum.piecewise_every_k({40: 2, 90: 3, 200: 5}),
     skip_nonfinite=True,
   )
