@@ -72,7 +72,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 import optax_accum
-from optax_accum._collectives import collectives
+from optax_accum import collectives
 
 RECIPES = ("gspmd", "psum_each", "axis_name")
 BASELINE = "psum_each"

@@ -2,6 +2,11 @@
 
 from optax_accum._accumulate import accumulate as accumulate
 from optax_accum._accumulate import inner_for_every_k as inner_for_every_k
+from optax_accum._collectives import Collective as Collective
+from optax_accum._collectives import (
+  assert_reduction_deferred as assert_reduction_deferred,
+)
+from optax_accum._collectives import collectives as collectives
 from optax_accum._every_k import grow_every_k as grow_every_k
 from optax_accum._every_k import piecewise_every_k as piecewise_every_k
 from optax_accum._layout import add_device_axis as add_device_axis
@@ -20,21 +25,26 @@ from optax_accum._state import current_every_k as current_every_k
 from optax_accum._state import has_updated as has_updated
 from optax_accum._state import inner_state as inner_state
 from optax_accum._state import weight_seen as weight_seen
+from optax_accum._unreduced import local_value_and_grad as local_value_and_grad
 
 __version__ = "0.1.0"
 
 __all__ = (
   "AccumulateState",
+  "Collective",
   "GrowState",
   "NoiseScaleState",
   "accumulate",
   "add_device_axis",
+  "assert_reduction_deferred",
+  "collectives",
   "current_every_k",
   "drop_device_axis",
   "grow_every_k",
   "has_updated",
   "inner_for_every_k",
   "inner_state",
+  "local_value_and_grad",
   "microbatch",
   "noise_scale",
   "noise_scale_components",

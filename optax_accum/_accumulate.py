@@ -233,21 +233,9 @@ def _check_grads_match(grads: Any, acc_grads: Any) -> None:
 
 def _check_weight(weight: Any) -> jax.Array:
   """`weight` as a float32[]; raises naming it. Concrete negatives raise."""
-  if isinstance(weight, str | bytes):
-    raise TypeError(f"`weight` must be a real number, got {weight!r}.")
-  w = jnp.asarray(weight)
-  if w.ndim != 0:
-    raise ValueError(
-      "`weight` must be a scalar (one value per micro-batch), got shape"
-      f" {w.shape}."
-    )
-  if not (
-    jnp.issubdtype(w.dtype, jnp.integer)
-    or jnp.issubdtype(w.dtype, jnp.floating)
-  ):
-    raise TypeError(
-      f"`weight` must be a real number, got a value of dtype {w.dtype}."
-    )
+  w = _checks.real_scalar(
+    weight, "`weight` must be", " (one value per micro-batch)"
+  )
   if not isinstance(w, jax.core.Tracer) and np.asarray(w) < 0:
     raise ValueError(f"`weight` must be >= 0, got {np.asarray(w)}.")
   return w.astype(jnp.float32)
@@ -521,7 +509,9 @@ def _emit(
     )
   if plan.reuse_buffer:
     updates = jax.tree.map(lambda u, a: u.astype(a.dtype), updates, acc)
-  return updates, weight, noise, inner, emitted
+  # The weight again, as the ended cycle's global weight: under shard_map
+  # the first copy joins the device-local accumulator's slot.
+  return updates, weight, noise, inner, emitted, weight
 
 
 def _hold(plan, acc, weight, noise, mean_sq, inner, params):
@@ -529,7 +519,14 @@ def _hold(plan, acc, weight, noise, mean_sq, inner, params):
   del mean_sq, params
   held = acc if plan.reuse_buffer else _zeros(plan.update_types)
   inner = _settle(inner, plan.inner_state_types)
-  return held, weight, noise, inner, jnp.asarray(False)
+  return (
+    held,
+    weight,
+    noise,
+    inner,
+    jnp.asarray(False),
+    jnp.zeros([], weight.dtype),
+  )
 
 
 def _split_buffer(out: Any, acc: Any, emitted: jax.Array, plan: _Plan):
@@ -636,8 +633,8 @@ def _update(
   mean_sq = None
   if noise is not None and config.axis_name is None:
     mean_sq = _local_mean_sq_norm(enter, acc, total_weight)
-  cond = lax.cond if config.axis_name is None else _vma.cond
-  out, total_weight, noise, inner_state, emitted = cond(
+  # _vma.cond is lax.cond unless an operand varies over a shard_map axis.
+  out, total_weight, noise, inner_state, emitted, cycle_weight = _vma.cond(
     enter,
     functools.partial(_emit, config, inner, plan, extra_args),
     functools.partial(_hold, plan),
@@ -652,7 +649,7 @@ def _update(
 
   step = jnp.where(emitted, optax.safe_increment(state.step), state.step)
   weight_seen, every_k, grow = _next_cycle(
-    config, state, cycle_end, emitted, step, micro_step, total_weight, noise
+    config, state, cycle_end, emitted, step, micro_step, cycle_weight, noise
   )
   return new_updates, AccumulateState(
     micro_step=jnp.where(cycle_end, 0, micro_step),

@@ -97,3 +97,24 @@ def leaf_accumulator_dtype(accumulator_dtype: Any, leaf_dtype: Any) -> Any:
   if leaf_is_complex:
     return _complex_of(accumulator_dtype)
   return jnp.dtype(accumulator_dtype)
+
+
+def real_scalar(value: Any, subject: str, what: str = "") -> jax.Array:
+  """`value` as a 0-d integer or floating array; raises naming `subject`.
+
+  Args:
+    value: What the user passed (or a schedule returned).
+    subject: The start of the message, e.g. "`weight` must be".
+    what: What one value means, for the message.
+  """
+  if value is None or isinstance(value, str | bytes):
+    raise TypeError(f"{subject} a real number{what}, got {value!r}.")
+  x = jnp.asarray(value)
+  if x.ndim != 0:
+    raise ValueError(f"{subject} a scalar{what}, got shape {x.shape}.")
+  if not (
+    jnp.issubdtype(x.dtype, jnp.integer)
+    or jnp.issubdtype(x.dtype, jnp.floating)
+  ):
+    raise TypeError(f"{subject} a real number, got a value of dtype {x.dtype}.")
+  return x

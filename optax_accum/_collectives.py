@@ -108,7 +108,7 @@ def collectives(step: Any, *args: Any, **kwargs: Any) -> list[Collective]:
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> from optax_accum._collectives import collectives
+    >>> from optax_accum import collectives
     >>> n = jax.device_count()  # 8 in the test suite
     >>> mesh = jax.make_mesh((n,), ("data",))
     >>> x = jax.device_put(jnp.ones((n, 256)), NamedSharding(mesh, P("data")))
@@ -204,7 +204,7 @@ def assert_reduction_deferred(
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> from optax_accum._collectives import assert_reduction_deferred
+    >>> from optax_accum import assert_reduction_deferred
     >>> n = jax.device_count()  # 8 in the test suite
     >>> mesh = jax.make_mesh((n,), ("data",))
     >>> x = jax.device_put(jnp.ones((n, 256)), NamedSharding(mesh, P("data")))

@@ -48,7 +48,7 @@ class GrowEveryK:
 def grow_every_k(
   k_max: int,
   *,
-  k_min: int = 1,
+  k_min: int = 2,
   factor: int = 2,
   scale: float = 1.0,
   min_cycles: int = 20,
@@ -82,7 +82,9 @@ def grow_every_k(
 
   Args:
     k_max: The largest k, a positive int.
-    k_min: The first cycles' k, a positive int at most ``k_max``.
+    k_min: The first cycles' k, an int in [2, ``k_max``]: a cycle of one
+      micro-batch gives no noise-scale estimate, so the controller could
+      never start from k = 1.
     factor: Growth factor, an int >= 2 (2: powers of two).
     scale: :math:`c`, a positive real; the target big batch in units of
       :math:`B_\text{simple}`.
@@ -109,8 +111,11 @@ def grow_every_k(
   min_cycles = _checks.positive_int(min_cycles, "min_cycles")
   if k_max > INT32_MAX:
     raise ValueError(f"`k_max` must be at most 2**31 - 1, got {k_max}.")
-  if k_min > k_max:
-    raise ValueError(f"`k_min` must be at most `k_max`={k_max}, got {k_min}.")
+  if not 2 <= k_min <= k_max:
+    raise ValueError(
+      f"`k_min` must be in [2, `k_max`={k_max}] (a cycle of one micro-batch"
+      f" gives no noise-scale estimate), got {k_min}."
+    )
   if factor < 2:
     raise ValueError(f"`factor` must be >= 2, got {factor}.")
   scale = _positive_real(scale, "scale")
@@ -231,25 +236,9 @@ def schedule_value(value: Any) -> jax.Array:
   too large for int32 holds the cycle open (no update until ``flush``) when
   it is only known at run time; a concrete NaN raises.
   """
-  if value is None or isinstance(value, str | bytes):
-    raise TypeError(
-      "`every_k` schedule must return a number (the cycle length), got"
-      f" {value!r}."
-    )
-  k = jnp.asarray(value)
-  if k.ndim != 0:
-    raise ValueError(
-      "`every_k` schedule must return a scalar, got a value of shape"
-      f" {k.shape}."
-    )
-  if not (
-    jnp.issubdtype(k.dtype, jnp.integer)
-    or jnp.issubdtype(k.dtype, jnp.floating)
-  ):
-    raise TypeError(
-      "`every_k` schedule must return an integer or a real number, got a"
-      f" value of dtype {k.dtype}."
-    )
+  k = _checks.real_scalar(
+    value, "`every_k` schedule must return", " (the cycle length)"
+  )
   if jnp.issubdtype(k.dtype, jnp.integer):
     return jnp.minimum(jnp.maximum(k, 1), INT32_MAX).astype(jnp.int32)
   if not isinstance(k, jax.core.Tracer) and np.isnan(np.asarray(k)):

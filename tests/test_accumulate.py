@@ -7,6 +7,7 @@ summation order); tolerances are stated where it is not.
 
 import functools
 
+import _common
 import chex
 import flax.serialization
 import jax
@@ -17,33 +18,6 @@ import pytest
 from jax import lax
 
 import optax_accum
-
-# Every behaviour runs eagerly and under jit.
-MODES = {"nojit": lambda f: f, "jit": jax.jit}
-
-
-@pytest.fixture(params=list(MODES), ids=list(MODES))
-def maybe_jit(request):
-  return MODES[request.param]
-
-
-def _params():
-  return {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
-
-
-def _grads(i):
-  """A deterministic, distinct gradient per micro-step."""
-  key = jax.random.PRNGKey(i)
-  k1, k2 = jax.random.split(key)
-  return {"w": jax.random.normal(k1, (2, 3)), "b": jax.random.normal(k2, (3,))}
-
-
-def _identity():
-  """An inner that returns the gradient it receives: shows what reached it."""
-  return optax.GradientTransformation(
-    lambda p: optax.EmptyState(), lambda u, s, p=None: (u, s)
-  )
-
 
 # ---------------------------------------------------------------------------
 # 1. Zeros until k, then the inner's updates; accumulator resets; k=1.
@@ -64,12 +38,12 @@ INNERS = {
 def test_zeros_until_k_then_inner_update_of_the_mean(maybe_jit, k, inner_name):
   inner, rtol = INNERS[inner_name]
   tx = optax_accum.accumulate(inner, k)
-  params = _params()
+  params = _common.params()
   state = tx.init(params)
   ref_state = inner.init(params)
   update = maybe_jit(tx.update)
   for cycle in range(3):
-    grads = [_grads(10 * cycle + i) for i in range(k)]
+    grads = [_common.grads(10 * cycle + i) for i in range(k)]
     for i, g in enumerate(grads):
       before = state.inner_state
       updates, state = update(g, state, params)
@@ -95,12 +69,12 @@ def test_zeros_until_k_then_inner_update_of_the_mean(maybe_jit, k, inner_name):
 def test_every_k_1_behaves_like_inner_alone(maybe_jit):
   inner = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2))
   tx = optax_accum.accumulate(inner, 1)
-  params = _params()
+  params = _common.params()
   state, ref_state = tx.init(params), inner.init(params)
   update, ref_update = maybe_jit(tx.update), maybe_jit(inner.update)
   for i in range(5):
-    updates, state = update(_grads(i), state, params)
-    expected, ref_state = ref_update(_grads(i), ref_state, params)
+    updates, state = update(_common.grads(i), state, params)
+    expected, ref_state = ref_update(_common.grads(i), ref_state, params)
     chex.assert_trees_all_equal(updates, expected)
     params = optax.apply_updates(params, updates)
   chex.assert_trees_all_equal(state.inner_state, ref_state)
@@ -122,11 +96,11 @@ def _counting_inner(counter):
 def test_inner_runs_exactly_once_per_cycle_under_jit():
   counter = []
   tx = optax_accum.accumulate(_counting_inner(counter), 4)
-  params = _params()
+  params = _common.params()
   state = tx.init(params)
   update = jax.jit(tx.update)
   for i in range(8):
-    _, state = update(_grads(i), state, params)
+    _, state = update(_common.grads(i), state, params)
   jax.effects_barrier()
   assert len(counter) == 2
 
@@ -183,7 +157,7 @@ def test_token_weighted_mean_equals_big_batch_gradient(maybe_jit):
   big = jax.grad(loss)(params, xs, ys)
   outs = {}
   for weighted in (True, False):
-    tx = optax_accum.accumulate(_identity(), len(micro))
+    tx = optax_accum.accumulate(_common.identity(), len(micro))
     state = tx.init(params)
     update = maybe_jit(tx.update)
     for (x, y), n in zip(micro, sizes, strict=False):
@@ -197,31 +171,33 @@ def test_token_weighted_mean_equals_big_batch_gradient(maybe_jit):
 
 
 def test_sum_reduction_emits_weighted_sum(maybe_jit):
-  tx = optax_accum.accumulate(_identity(), 3, reduction="sum")
-  params = _params()
+  tx = optax_accum.accumulate(_common.identity(), 3, reduction="sum")
+  params = _common.params()
   state = tx.init(params)
   update = maybe_jit(tx.update)
   weights = (0.5, 2.0, 4.0)
   for i, w in enumerate(weights):
-    out, state = update(_grads(i), state, params, weight=w)
+    out, state = update(_common.grads(i), state, params, weight=w)
   expected = jax.tree.map(
     lambda a, b, c: ((0.0 + 0.5 * a) + 2.0 * b) + 4.0 * c,
-    *[_grads(i) for i in range(3)],
+    *[_common.grads(i) for i in range(3)],
   )
   chex.assert_trees_all_close(out, expected, rtol=1e-6)
 
 
 def test_zero_weight_counts_toward_k_but_contributes_nothing(maybe_jit):
-  tx = optax_accum.accumulate(_identity(), 3)
-  params = _params()
+  tx = optax_accum.accumulate(_common.identity(), 3)
+  params = _common.params()
   state = tx.init(params)
   update = maybe_jit(tx.update)
-  out, state = update(_grads(0), state, params, weight=2.0)
-  out, state = update(_grads(1), state, params, weight=0.0)
+  out, state = update(_common.grads(0), state, params, weight=2.0)
+  out, state = update(_common.grads(1), state, params, weight=0.0)
   assert int(state.micro_step) == 2
-  out, state = update(_grads(2), state, params, weight=2.0)
+  out, state = update(_common.grads(2), state, params, weight=2.0)
   expected = jax.tree.map(
-    lambda a, c: (2.0 * a + 2.0 * c) * (1.0 / 4.0), _grads(0), _grads(2)
+    lambda a, c: (2.0 * a + 2.0 * c) * (1.0 / 4.0),
+    _common.grads(0),
+    _common.grads(2),
   )
   chex.assert_trees_all_close(out, expected, rtol=1e-6)
 
@@ -229,19 +205,19 @@ def test_zero_weight_counts_toward_k_but_contributes_nothing(maybe_jit):
 def test_zero_total_weight_cycle_emits_zeros_without_nan(maybe_jit):
   inner = optax.adam(1e-2)
   tx = optax_accum.accumulate(inner, 2)
-  params = _params()
+  params = _common.params()
   state = tx.init(params)
   update = maybe_jit(tx.update)
   before = state.inner_state
   for i in range(2):
-    out, state = update(_grads(i), state, params, weight=0.0)
+    out, state = update(_common.grads(i), state, params, weight=0.0)
   chex.assert_trees_all_equal(out, jax.tree.map(jnp.zeros_like, params))
   chex.assert_trees_all_equal(state.inner_state, before)
   assert not optax_accum.has_updated(state)
   assert int(state.step) == 0 and int(state.micro_step) == 0
   # The next cycle is unaffected.
   for i in range(2):
-    out, state = update(_grads(5 + i), state, params, weight=1.0)
+    out, state = update(_common.grads(5 + i), state, params, weight=1.0)
   assert optax_accum.has_updated(state)
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(out))
 
@@ -252,7 +228,9 @@ def test_zero_weight_micro_batch_with_nonfinite_gradient_contributes_nothing(
   maybe_jit, skip_nonfinite, bad
 ):
   """The per-token mean of an all-padding micro-batch is 0/0 = NaN."""
-  tx = optax_accum.accumulate(_identity(), 3, skip_nonfinite=skip_nonfinite)
+  tx = optax_accum.accumulate(
+    _common.identity(), 3, skip_nonfinite=skip_nonfinite
+  )
   params = jnp.zeros(2)
   state = tx.init(params)
   update = maybe_jit(tx.update)
@@ -272,20 +250,20 @@ def test_zero_weight_micro_batch_with_nonfinite_gradient_contributes_nothing(
 def test_flush_emits_partial_window_normalised_by_what_was_accumulated(
   maybe_jit,
 ):
-  tx = optax_accum.accumulate(_identity(), 4)
-  params = _params()
+  tx = optax_accum.accumulate(_common.identity(), 4)
+  params = _common.params()
   state = tx.init(params)
   update = maybe_jit(tx.update)
-  _, state = update(_grads(0), state, params, weight=1.0)
-  out, state = update(_grads(1), state, params, weight=3.0, flush=True)
+  _, state = update(_common.grads(0), state, params, weight=1.0)
+  out, state = update(_common.grads(1), state, params, weight=3.0, flush=True)
   assert optax_accum.has_updated(state)
   expected = jax.tree.map(
-    lambda a, b: (a + 3.0 * b) * (1.0 / 4.0), _grads(0), _grads(1)
+    lambda a, b: (a + 3.0 * b) * (1.0 / 4.0), _common.grads(0), _common.grads(1)
   )
   chex.assert_trees_all_close(out, expected, rtol=1e-6)
   assert int(state.micro_step) == 0 and int(state.step) == 1
   # Flushing an empty cycle does nothing (nothing to average).
-  out, state = update(_grads(2), state, params, weight=0.0, flush=True)
+  out, state = update(_common.grads(2), state, params, weight=0.0, flush=True)
   assert not optax_accum.has_updated(state)
   assert int(state.step) == 1
 
@@ -296,8 +274,10 @@ def test_flush_emits_partial_window_normalised_by_what_was_accumulated(
 
 
 def test_schedule_every_k_pattern_with_one_trace():
-  tx = optax_accum.accumulate(_identity(), lambda s: jnp.minimum(1 + s, 4))
-  params = _params()
+  tx = optax_accum.accumulate(
+    _common.identity(), lambda s: jnp.minimum(1 + s, 4)
+  )
+  params = _common.params()
   state = tx.init(params)
 
   @jax.jit
@@ -307,7 +287,7 @@ def test_schedule_every_k_pattern_with_one_trace():
 
   emitted = []
   for call in range(1, 13):
-    _, state = update(_grads(call), state)
+    _, state = update(_common.grads(call), state)
     if optax_accum.has_updated(state):
       emitted.append(call)
   assert emitted == [1, 3, 6, 10]
@@ -315,10 +295,10 @@ def test_schedule_every_k_pattern_with_one_trace():
 
 @pytest.mark.parametrize("value", [0, -3, 0.5])
 def test_schedule_values_below_one_are_treated_as_one(maybe_jit, value):
-  tx = optax_accum.accumulate(_identity(), lambda s: value)
-  params = _params()
+  tx = optax_accum.accumulate(_common.identity(), lambda s: value)
+  params = _common.params()
   state = tx.init(params)
-  _, state = maybe_jit(tx.update)(_grads(0), state, params)
+  _, state = maybe_jit(tx.update)(_common.grads(0), state, params)
   assert optax_accum.has_updated(state)
 
 
@@ -338,13 +318,15 @@ def _needs_value():
 
 def test_extra_args_reach_inner_also_inside_chain(maybe_jit):
   tx = optax.chain(optax.scale(1.0), optax_accum.accumulate(_needs_value(), 2))
-  params = _params()
+  params = _common.params()
   state = tx.init(params)
   update = maybe_jit(functools.partial(tx.update))
-  _, state = update(_grads(0), state, params, value=3.0, weight=1.0)
-  out, state = update(_grads(1), state, params, value=3.0, weight=3.0)
+  _, state = update(_common.grads(0), state, params, value=3.0, weight=1.0)
+  out, state = update(_common.grads(1), state, params, value=3.0, weight=3.0)
   expected = jax.tree.map(
-    lambda a, b: (a + 3.0 * b) * (1.0 / 4.0) * 3.0, _grads(0), _grads(1)
+    lambda a, b: (a + 3.0 * b) * (1.0 / 4.0) * 3.0,
+    _common.grads(0),
+    _common.grads(1),
   )
   chex.assert_trees_all_close(out, expected, rtol=1e-6)
 
@@ -353,11 +335,11 @@ def test_inner_schedule_advances_once_per_emitted_update(maybe_jit):
   schedule = optax.linear_schedule(1.0, 0.0, transition_steps=10)
   inner = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)
   tx = optax_accum.accumulate(inner, 4)
-  params = _params()
+  params = _common.params()
   state = tx.init(params)
   update = maybe_jit(tx.update)
   for i in range(12):
-    _, state = update(_grads(i), state, params)
+    _, state = update(_common.grads(i), state, params)
   assert int(state.inner_state.count) == 3
   np.testing.assert_allclose(
     state.inner_state.hyperparams["learning_rate"], schedule(2), rtol=1e-6
@@ -368,12 +350,12 @@ def test_lookahead_takes_its_params_and_matches_the_big_batch(maybe_jit):
   """`optax.lookahead` keeps LookaheadParams(fast, slow) and takes gradients
   with respect to `fast`: `init` accepts the natural LookaheadParams."""
   inner = optax.lookahead(optax.sgd(0.1), sync_period=2, slow_step_size=0.5)
-  params = optax.LookaheadParams.init_synced(_params())
+  params = optax.LookaheadParams.init_synced(_common.params())
   tx = optax_accum.accumulate(inner, 2)
   state, ref_state, ref_params = tx.init(params), inner.init(params), params
   update = maybe_jit(tx.update)
   for step in range(3):
-    g0, g1 = _grads(2 * step), _grads(2 * step + 1)
+    g0, g1 = _common.grads(2 * step), _common.grads(2 * step + 1)
     _, state = update(g0, state, params)
     updates, state = update(g1, state, params)
     params = optax.apply_updates(params, updates)
@@ -390,17 +372,17 @@ def test_lookahead_takes_its_params_and_matches_the_big_batch(maybe_jit):
 
 @pytest.mark.parametrize("bad", ["nan_grad", "inf_grad", "nan_weight"])
 def test_skip_nonfinite_drops_the_bad_micro_batch_only(maybe_jit, bad):
-  tx = optax_accum.accumulate(_identity(), 3, skip_nonfinite=True)
-  params = _params()
+  tx = optax_accum.accumulate(_common.identity(), 3, skip_nonfinite=True)
+  params = _common.params()
   state = tx.init(params)
   update = maybe_jit(tx.update)
-  good = [_grads(i) for i in range(3)]
-  poisoned = jax.tree.map(lambda g: g.at[0].set(jnp.nan), _grads(9))
+  good = [_common.grads(i) for i in range(3)]
+  poisoned = jax.tree.map(lambda g: g.at[0].set(jnp.nan), _common.grads(9))
   weight = 1.0
   if bad == "inf_grad":
-    poisoned = jax.tree.map(lambda g: g.at[0].set(jnp.inf), _grads(9))
+    poisoned = jax.tree.map(lambda g: g.at[0].set(jnp.inf), _common.grads(9))
   elif bad == "nan_weight":
-    poisoned, weight = _grads(9), jnp.nan
+    poisoned, weight = _common.grads(9), jnp.nan
   _, state = update(good[0], state, params, weight=1.0)
   out, state = update(poisoned, state, params, weight=weight)
   assert not optax_accum.has_updated(state)
@@ -417,7 +399,7 @@ def test_skip_nonfinite_drops_the_bad_micro_batch_only(maybe_jit, bad):
 
 
 def test_without_skip_nonfinite_a_nan_reaches_the_update():
-  tx = optax_accum.accumulate(_identity(), 2)
+  tx = optax_accum.accumulate(_common.identity(), 2)
   params = {"w": jnp.ones(2)}
   state = tx.init(params)
   _, state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, state, params)
@@ -426,7 +408,7 @@ def test_without_skip_nonfinite_a_nan_reaches_the_update():
 
 
 def test_nan_weight_without_skip_nonfinite_reaches_the_inner(maybe_jit):
-  tx = optax_accum.accumulate(_identity(), 2)
+  tx = optax_accum.accumulate(_common.identity(), 2)
   params = jnp.zeros(2)
   state = tx.init(params)
   update = maybe_jit(tx.update)
@@ -450,7 +432,9 @@ def test_bf16_micro_batches_accumulate_in_float32():
   params = jnp.zeros(64, jnp.bfloat16)
   results = {}
   for name, acc_dtype in (("f32", jnp.float32), ("bf16", None)):
-    tx = optax_accum.accumulate(_identity(), k, accumulator_dtype=acc_dtype)
+    tx = optax_accum.accumulate(
+      _common.identity(), k, accumulator_dtype=acc_dtype
+    )
     state = tx.init(params)
     update = jax.jit(tx.update)
     for i in range(k):
@@ -475,10 +459,10 @@ def test_bf16_micro_batches_accumulate_in_float32():
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_dtypes_match_inner_alone_and_state_types_never_change(inner, dtype):
-  params = jax.tree.map(lambda p: p.astype(dtype), _params())
+  params = jax.tree.map(lambda p: p.astype(dtype), _common.params())
   tx = optax_accum.accumulate(inner, 2)
   state = tx.init(params)
-  grads = jax.tree.map(lambda g: g.astype(dtype), _grads(0))
+  grads = jax.tree.map(lambda g: g.astype(dtype), _common.grads(0))
   ref_updates, _ = inner.update(grads, inner.init(params), params)
 
   def types(tree):
@@ -522,12 +506,12 @@ def test_inner_state_takes_the_dtypes_inner_gives_it(maybe_jit):
   """bf16 params, float32 gradients: adam alone widens its moments to
   float32, and so does the wrapped one; updates match `inner` alone."""
   inner = optax.adam(1e-2)
-  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), _params())
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), _common.params())
   tx = optax_accum.accumulate(inner, 2)
   state, ref_state = tx.init(params), inner.init(params)
   update = maybe_jit(tx.update)
   for step in range(3):
-    g0, g1 = _grads(2 * step), _grads(2 * step + 1)  # float32
+    g0, g1 = _common.grads(2 * step), _common.grads(2 * step + 1)  # float32
     _, state = update(g0, state, params)
     out, state = update(g1, state, params)
     mean = jax.tree.map(lambda a, b: (a + b) * 0.5, g0, g1)
@@ -542,8 +526,10 @@ def test_inner_state_takes_the_dtypes_inner_gives_it(maybe_jit):
 def test_core_semantics_under_strict_dtype_promotion(maybe_jit, dtype):
   """No implicit promotion anywhere in init or update (bf16 params failed
   `init` when promote_types chose the accumulator's dtype)."""
-  params = jax.tree.map(lambda p: p.astype(dtype), _params())
-  grads = [jax.tree.map(lambda g: g.astype(dtype), _grads(i)) for i in range(3)]
+  params = jax.tree.map(lambda p: p.astype(dtype), _common.params())
+  grads = [
+    jax.tree.map(lambda g: g.astype(dtype), _common.grads(i)) for i in range(3)
+  ]
   with jax.numpy_dtype_promotion("strict"):
     tx = optax_accum.accumulate(
       optax.sgd(0.5), 2, skip_nonfinite=True, track_noise_scale=True
@@ -656,12 +642,12 @@ def test_fresh_state_can_be_donated_and_never_retraces():
     updates, state = tx.update(g, state, params)
     return optax.apply_updates(params, updates), state
 
-  params = _params()
+  params = _common.params()
   state = tx.init(params)
   leaves = jax.tree.leaves((params, state))
   assert len({id(x) for x in leaves}) == len(leaves)
   for i in range(7):
-    params, state = step(params, state, _grads(i))
+    params, state = step(params, state, _common.grads(i))
   assert int(state.step) == 2
 
 
@@ -692,12 +678,12 @@ def test_python_scalar_gradient_leaves_are_accepted(maybe_jit):
 
 def test_state_roundtrips_mid_cycle_bitwise(maybe_jit):
   tx = optax_accum.accumulate(optax.adam(1e-2), 4, track_noise_scale=True)
-  params = _params()
+  params = _common.params()
 
   def run(state, params, start, stop):
     update = maybe_jit(tx.update)
     for i in range(start, stop):
-      updates, state = update(_grads(i), state, params, weight=1.0 + i)
+      updates, state = update(_common.grads(i), state, params, weight=1.0 + i)
       params = optax.apply_updates(params, updates)
     return state, params
 
@@ -735,12 +721,12 @@ WRAPPERS = {
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
 def test_readers_find_the_one_accumulate_state(maybe_jit, wrapper):
   tx = WRAPPERS[wrapper]()
-  params = _params()
+  params = _common.params()
   state = tx.init(params)
   update = maybe_jit(tx.update)
   seen = []
   for i in range(4):
-    _, state = update(_grads(i), state, params)
+    _, state = update(_common.grads(i), state, params)
     seen.append(bool(optax_accum.has_updated(state)))
   assert seen == [False, True, False, True]
   inner = optax_accum.inner_state(state)

@@ -6,6 +6,7 @@ runtime rule that cannot be checked under ``jit`` is tested for the
 documented behaviour instead.
 """
 
+import _common
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,31 +16,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-
-MODES = {"nojit": lambda f: f, "jit": jax.jit}
-
-
-@pytest.fixture(params=list(MODES), ids=list(MODES))
-def maybe_jit(request):
-  return MODES[request.param]
-
-
-def _params():
-  return {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
-
-
-def _grads(i):
-  key = jax.random.PRNGKey(i)
-  k1, k2 = jax.random.split(key)
-  return {"w": jax.random.normal(k1, (2, 3)), "b": jax.random.normal(k2, (3,))}
-
-
-def _identity():
-  """An inner that returns the gradient it receives."""
-  return optax.GradientTransformation(
-    lambda p: optax.EmptyState(), lambda u, s, p=None: (u, s)
-  )
-
 
 # ---------------------------------------------------------------------------
 # At construction.
@@ -73,11 +49,11 @@ def test_bad_every_k_is_rejected_at_construction(every_k, error):
   "every_k", [np.int32(3), np.int64(3), jnp.int32(3), jnp.asarray(3)]
 )
 def test_numpy_and_jax_integer_every_k_are_accepted(every_k):
-  tx = optax_accum.accumulate(_identity(), every_k)
-  params = _params()
+  tx = optax_accum.accumulate(_common.identity(), every_k)
+  params = _common.params()
   state = tx.init(params)
   for i in range(3):
-    _, state = tx.update(_grads(i), state, params)
+    _, state = tx.update(_common.grads(i), state, params)
   assert optax_accum.has_updated(state)
 
 
@@ -140,7 +116,7 @@ def test_every_k_beyond_int32_is_rejected_at_construction(every_k):
 
 
 def test_every_k_at_the_int32_limit_is_accepted():
-  tx = optax_accum.accumulate(_identity(), 2**31 - 1)
+  tx = optax_accum.accumulate(_common.identity(), 2**31 - 1)
   _, state = tx.update(jnp.ones(2), tx.init(jnp.zeros(2)))
   assert int(state.micro_step) == 1
 
@@ -171,7 +147,7 @@ def _nan_after_first_step(step):
 def test_schedule_nan_raises_when_concrete():
   """The next cycle's k is decided when a cycle ends: the call ending the
   first cycle (k = 2 at step 0) finds NaN at step 1 and raises."""
-  tx = optax_accum.accumulate(_identity(), _nan_after_first_step)
+  tx = optax_accum.accumulate(_common.identity(), _nan_after_first_step)
   state, params = tx.init(jnp.zeros(2)), jnp.zeros(2)
   _, state = tx.update(jnp.ones(2), state, params)
   with pytest.raises(ValueError, match="`every_k` schedule returned NaN"):
@@ -180,7 +156,7 @@ def test_schedule_nan_raises_when_concrete():
 
 def test_schedule_nan_under_jit_holds_the_cycle_until_flush():
   """Never silently k = 1: no update until `flush=True` ends the cycle."""
-  tx = optax_accum.accumulate(_identity(), _nan_after_first_step)
+  tx = optax_accum.accumulate(_common.identity(), _nan_after_first_step)
   state, params = tx.init(jnp.zeros(2)), jnp.zeros(2)
   update = jax.jit(tx.update)
   emitted = []
@@ -194,7 +170,7 @@ def test_schedule_nan_under_jit_holds_the_cycle_until_flush():
 
 
 def test_schedule_beyond_int32_holds_the_cycle(maybe_jit):
-  tx = optax_accum.accumulate(_identity(), lambda step: 1e12)
+  tx = optax_accum.accumulate(_common.identity(), lambda step: 1e12)
   state, params = tx.init(jnp.zeros(2)), jnp.zeros(2)
   update = maybe_jit(tx.update)
   for _ in range(4):
@@ -210,11 +186,11 @@ def test_schedule_beyond_int32_holds_the_cycle(maybe_jit):
 @pytest.mark.parametrize("flush", [None, "yes", 1, jnp.ones(2, bool)])
 def test_flush_must_be_a_boolean_scalar(maybe_jit, flush):
   tx = optax_accum.accumulate(optax.sgd(0.1), 2)
-  params = _params()
+  params = _common.params()
   # A string never reaches our check under jit: jax.jit itself rejects it,
   # naming the argument's path.
   with pytest.raises(TypeError, match="`flush` must be a boolean|path flush"):
-    maybe_jit(tx.update)(_grads(0), tx.init(params), params, flush=flush)
+    maybe_jit(tx.update)(_common.grads(0), tx.init(params), params, flush=flush)
 
 
 @pytest.mark.parametrize(
@@ -230,21 +206,23 @@ def test_flush_must_be_a_boolean_scalar(maybe_jit, flush):
 def test_weight_must_be_a_real_scalar(maybe_jit, weight, error, match):
   """A complex weight's imaginary part used to be dropped silently."""
   tx = optax_accum.accumulate(optax.sgd(0.1), 2)
-  params = _params()
+  params = _common.params()
   with pytest.raises(error, match=f"`weight` must be a {match}|path weight"):
-    maybe_jit(tx.update)(_grads(0), tx.init(params), params, weight=weight)
+    maybe_jit(tx.update)(
+      _common.grads(0), tx.init(params), params, weight=weight
+    )
 
 
 def test_concrete_negative_weight_is_rejected():
   tx = optax_accum.accumulate(optax.sgd(0.1), 2)
-  params = _params()
+  params = _common.params()
   with pytest.raises(ValueError, match="`weight` must be >= 0, got -1.0"):
-    tx.update(_grads(0), tx.init(params), params, weight=-1.0)
+    tx.update(_common.grads(0), tx.init(params), params, weight=-1.0)
 
 
 def test_traced_negative_weight_is_used_as_given():
   """Under jit a weight is not inspected: the documented signed sum."""
-  tx = optax_accum.accumulate(_identity(), 2)
+  tx = optax_accum.accumulate(_common.identity(), 2)
   params = jnp.zeros(2)
   update = jax.jit(tx.update)
   _, state = update(jnp.array([1.0, 2.0]), tx.init(params), params, weight=3.0)
@@ -254,8 +232,8 @@ def test_traced_negative_weight_is_used_as_given():
 
 def test_complex_gradients_for_real_params_are_rejected(maybe_jit):
   tx = optax_accum.accumulate(optax.sgd(0.1), 2)
-  params = _params()
-  grads = dict(_grads(0), b=jnp.ones(3, jnp.complex64))
+  params = _common.params()
+  grads = dict(_common.grads(0), b=jnp.ones(3, jnp.complex64))
   with pytest.raises(TypeError, match=r"`updates` leaf \['b'\] is complex"):
     maybe_jit(tx.update)(grads, tx.init(params), params)
 
@@ -265,15 +243,15 @@ def test_complex_accumulator_for_real_params_is_rejected():
     optax.sgd(0.1), 2, accumulator_dtype=jnp.complex64
   )
   with pytest.raises(ValueError, match="`accumulator_dtype` is complex"):
-    tx.init(_params())
+    tx.init(_common.params())
 
 
 def test_state_of_another_configuration_is_rejected(maybe_jit):
   plain = optax_accum.accumulate(optax.sgd(0.1), 2)
   tracked = optax_accum.accumulate(optax.sgd(0.1), 2, track_noise_scale=True)
-  params = _params()
+  params = _common.params()
   with pytest.raises(ValueError, match="track_noise_scale=True"):
-    maybe_jit(tracked.update)(_grads(0), plain.init(params), params)
+    maybe_jit(tracked.update)(_common.grads(0), plain.init(params), params)
 
 
 # ---------------------------------------------------------------------------
@@ -311,7 +289,7 @@ def test_state_shardings_rejects_what_is_not_a_transformation(tx):
 
 def test_tree_mismatch_names_the_key_path(maybe_jit):
   tx = optax_accum.accumulate(optax.adam(1e-3), 2)
-  params = _params()
+  params = _common.params()
   state = tx.init(params)
   update = maybe_jit(tx.update)
   bad_shape = {"w": jnp.ones((3, 2)), "b": jnp.ones(3)}
@@ -324,10 +302,10 @@ def test_tree_mismatch_names_the_key_path(maybe_jit):
 
 def test_non_scalar_weight_is_rejected(maybe_jit):
   tx = optax_accum.accumulate(optax.adam(1e-3), 2)
-  params = _params()
+  params = _common.params()
   state = tx.init(params)
   with pytest.raises(ValueError, match=r"`weight` must be a scalar.*\(2,\)"):
-    maybe_jit(tx.update)(_grads(0), state, params, weight=jnp.ones(2))
+    maybe_jit(tx.update)(_common.grads(0), state, params, weight=jnp.ones(2))
 
 
 def test_noise_scale_decay_accepts_numpy_reals():

@@ -8,8 +8,6 @@ only in the emitting branch, with shard_map's default `check_vma=True` and
 with `check_vma=False`.
 """
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,18 +18,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
+from optax_accum._hlo import HloModule, array_shapes
 
 N_DEV = 8
-MODES = {"nojit": lambda f: f, "jit": jax.jit}
-
-
-def _flat(tree):
-  return {
-    jax.tree_util.keystr(path): leaf
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-  }
-
-
 # ---------------------------------------------------------------------------
 # 2. Deferred reduction over `axis_name`.
 # ---------------------------------------------------------------------------
@@ -327,77 +316,15 @@ def test_shard_map_replicated_params_recipe(check_vma):
 # 2b. Where the reduction sits in the compiled step.
 # ---------------------------------------------------------------------------
 
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*)$")
-_CALLEE = re.compile(
-  r"\b(?:to_apply|calls|body|condition|true_computation|false_computation)"
-  r"=%?([\w.\-]+)"
-)
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-
-
-def _split_shape_and_op(rest):
-  """'(f32[2], s32[]) all-reduce(...)' -> ('(f32[2], s32[])', 'all-reduce')."""
-  if rest.startswith("("):
-    depth = 0
-    end = 0
-    for end, c in enumerate(rest, start=1):  # noqa: B007 (used after)
-      depth += {"(": 1, ")": -1}.get(c, 0)
-      if depth == 0:
-        break
-    shape, tail = rest[:end], rest[end:]
-  else:
-    shape, _, tail = rest.partition(" ")
-  return shape, tail.strip().split("(", 1)[0]
-
-
-def _parse_hlo(text):
-  """Computations with their all-reduced arrays, and the call graph edges
-  (callee, conditional branch index or None)."""
-  comps, entry, current = {}, None, None
-  for line in text.splitlines():
-    header = _COMPUTATION.match(line)
-    if header and not line.startswith(" "):
-      current = header.group(1)
-      comps[current] = {"all_reduce": [], "calls": []}
-      if line.startswith("ENTRY"):
-        entry = current
-      continue
-    inst = _INSTRUCTION.match(line)
-    if current is None or not inst:
-      continue
-    shape, op = _split_shape_and_op(inst.group(1))
-    if op in ("all-reduce", "all-reduce-start"):
-      comps[current]["all_reduce"].extend(
-        (dtype, tuple(int(d) for d in dims.split(",") if d))
-        for dtype, dims in _ARRAY.findall(shape)
-      )
-    for callee in _CALLEE.findall(line):
-      comps[current]["calls"].append((callee, None))
-    branches = _BRANCHES.search(line)
-    if branches:
-      for index, callee in enumerate(branches.group(1).split(",")):
-        comps[current]["calls"].append((callee.strip().lstrip("%"), index))
-  return comps, entry
-
 
 def _all_reduce_sites(text):
   """Each all-reduced array with the conditional branches on the way to it:
   a tuple of branch indices, () for code that runs on every call."""
-  comps, entry = _parse_hlo(text)
-  sites = []
-
-  def visit(name, branches, seen):
-    if name in seen or name not in comps:
-      return
-    seen = seen | {name}
-    sites.extend((arr, branches) for arr in comps[name]["all_reduce"])
-    for callee, index in comps[name]["calls"]:
-      visit(callee, branches if index is None else (*branches, index), seen)
-
-  visit(entry, (), frozenset())
-  return sites
+  return [
+    (array, tuple(step.index for step in site.path))
+    for site in HloModule(text).sites(["all-reduce", "all-reduce-start"])
+    for array in array_shapes(site.instruction.shape)
+  ]
 
 
 # "axis_name" and "psum_every_micro_step" run under shard_map's default

@@ -12,17 +12,10 @@ import chex
 import jax
 import jax.numpy as jnp
 import optax
-import pytest
 
 import optax_accum
 
-MODES = {"nojit": lambda f: f, "jit": jax.jit}
 K = 4
-
-
-@pytest.fixture(params=list(MODES), ids=list(MODES))
-def maybe_jit(request):
-  return MODES[request.param]
 
 
 def _run(tx, params, grads, maybe_jit):

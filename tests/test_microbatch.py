@@ -20,16 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum
 
-# Every behaviour runs eagerly and under jit.
-MODES = {"nojit": lambda f: f, "jit": jax.jit}
-
 # Float32 sums in another order: a few ulps of values of order 1.
 TOL = {"rtol": 2e-5, "atol": 1e-6}
-
-
-@pytest.fixture(params=list(MODES), ids=list(MODES))
-def maybe_jit(request):
-  return MODES[request.param]
 
 
 # ---------------------------------------------------------------------------

@@ -7,6 +7,7 @@ each accumulator and inner-state leaf sharded like its param, on a 4x2
 uncommitted state.
 """
 
+import _common
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,16 +20,6 @@ from jax.sharding import PartitionSpec as P
 import optax_accum
 
 N_DEV = 8
-MODES = {"nojit": lambda f: f, "jit": jax.jit}
-
-
-def _flat(tree):
-  return {
-    jax.tree_util.keystr(path): leaf
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-  }
-
-
 # ---------------------------------------------------------------------------
 # 1. Sharding follows params.
 # ---------------------------------------------------------------------------
@@ -107,7 +98,7 @@ def _expected_shardings(inner, params, mesh):
 
 
 def _assert_same_shardings(actual, expected, what):
-  actual, expected = _flat(actual), _flat(expected)
+  actual, expected = _common.flat(actual), _common.flat(expected)
   assert actual.keys() == expected.keys(), what
   for path, sharding in expected.items():
     got = actual[path]
@@ -144,9 +135,10 @@ def test_state_shardings_follow_params(layout, inner_name):
   )
   _assert_same_shardings(shardings.acc_grads, param_shardings, "acc_grads")
   _assert_same_shardings(shardings.inner_state, inner_expected, "inner_state")
-  assert shardings.noise is None  # not tracked: no leaves
+  # Not tracked, no controller: no leaves.
+  assert shardings.noise is None and shardings.grow is None
   for field in optax_accum.AccumulateState._fields:
-    if field not in ("acc_grads", "inner_state", "noise"):
+    if field not in ("acc_grads", "inner_state", "noise", "grow"):
       assert getattr(shardings, field) == replicated, field
 
   # The same from an abstract tree (checkpoint restore) and inside a chain.
@@ -182,12 +174,12 @@ def test_state_shardings_fit_any_inner_state(inner_name):
   tx = optax_accum.accumulate(ODD_INNERS[inner_name](), 2)
   shardings = optax_accum.state_shardings(tx, params)
   state = jax.jit(tx.init, out_shardings=shardings)(params)
-  shapes = _flat(jax.eval_shape(tx.init, params))
+  shapes = _common.flat(jax.eval_shape(tx.init, params))
   by_path = {
     jax.tree_util.keystr(path): p
     for path, p in jax.tree_util.tree_flatten_with_path(params)[0]
   }
-  for path, sharding in _flat(shardings).items():
+  for path, sharding in _common.flat(shardings).items():
     matched = [
       p
       for suffix, p in by_path.items()
@@ -239,13 +231,13 @@ def _check_sharded_training(mesh, params, init_mode, update_mode):
     state = tx.init(params)
   else:
     state = jax.jit(tx.init, out_shardings=shardings)(params)
-  update = MODES[update_mode](tx.update)
+  update = _common.MODES[update_mode](tx.update)
   host_params = jax.device_get(params)
   host_state = tx.init(host_params)
   host_update = jax.jit(tx.update)
   param_shardings, inner_expected = _expected_shardings(inner, params, mesh)
   inner_param_leaves = {
-    path: s for path, s in _flat(inner_expected).items() if s.spec != P()
+    path: s for path, s in _common.flat(inner_expected).items() if s.spec != P()
   }
   assert inner_param_leaves  # adam's mu and nu
   for i in range(3):
@@ -257,7 +249,7 @@ def _check_sharded_training(mesh, params, init_mode, update_mode):
     _assert_same_shardings(state.acc_grads, param_shardings, f"step {i}: acc")
     _assert_same_shardings(updates, param_shardings, f"step {i}: updates")
     _assert_same_shardings(
-      {p: _flat(state.inner_state)[p] for p in inner_param_leaves},
+      {p: _common.flat(state.inner_state)[p] for p in inner_param_leaves},
       inner_param_leaves,
       f"step {i}: inner",
     )
