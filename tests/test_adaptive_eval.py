@@ -68,8 +68,7 @@ def test_writes_results_table_and_plot(evaluation, adaptive):
     }
     assert len(r["curve"]) == 1 + 3  # at init, then --evals
     assert all(math.isfinite(p["heldout"]) for p in r["curve"])
-  table = adaptive.markdown_table(results)
-  assert (out / "results.md").read_text().startswith(table)
+  assert (out / "results.md").read_text() == adaptive.report(results) + "\n"
   assert (out / "adaptive.png").stat().st_size > 0
 
 
@@ -117,6 +116,9 @@ def test_readme_table_is_the_committed_results(adaptive):
   table = adaptive.markdown_table(results)
   readme = (LM / "README.md").read_text()
   assert table in readme
-  assert (RESULTS / "results.md").read_text().startswith(table)
-  # Every figure in the README's prose about the noise scale, too.
+  assert (RESULTS / "results.md").read_text() == adaptive.report(results) + "\n"
+  # The other figures the README quotes: the noise scale, every decision of
+  # the controllers, the machine, versions, budget and seeds.
   assert adaptive.noise_note(results) in readme
+  assert adaptive.decisions_table(results) in readme
+  assert adaptive.provenance(results) in readme

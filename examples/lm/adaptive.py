@@ -299,6 +299,66 @@ def markdown_table(results: dict) -> str:
   return "\n".join(lines)
 
 
+def decisions_table(results: dict) -> str:
+  """Every change of k by a controller: when, and what it had just read."""
+  lines = [
+    "| seed | run | k | after tokens | after steps | tokens per"
+    " micro-batch, last cycle | B_simple, tokens | B_simple / mean"
+    " micro-batch |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
+  for seed, by_run in results["runs"].items():
+    for name, r in by_run.items():
+      if not name.startswith("controller"):
+        continue
+      mean_w = r["budget_tokens"] / results["settings"]["budget"]
+      c = r["cycles"]
+      for i in range(1, len(c)):
+        if c[i]["k"] == c[i - 1]["k"]:
+          continue
+        # The decision was taken at the end of cycle i - 1.
+        end, before = c[i - 1], c[i - 2] if i >= 2 else None
+        drawn = end["micro_batches"] - (
+          before["micro_batches"] if before else 0
+        )
+        weight = end["tokens"] - (before["tokens"] if before else 0.0)
+        b = end["noise_scale_tokens"]
+        lines.append(
+          f"| {seed} | {name} | {c[i - 1]['k']}→{c[i]['k']} |"
+          f" {_tokens(end['tokens'])} | {end['steps']} |"
+          f" {weight / drawn:.0f} | {b:,.0f} | {b / mean_w:.2f} |"
+        )
+  return "\n".join(lines)
+
+
+def provenance(results: dict) -> str:
+  m, s = results["machine"], results["settings"]
+  tokens = " / ".join(
+    _tokens(by_run[BASELINE]["budget_tokens"])
+    for by_run in results["runs"].values()
+  )
+  return (
+    f"{results['total_seconds']:.0f} s in all on {m['processor']}"
+    f" ({m['cpu_count']} cores, shared), {m['backend']} backend, Python"
+    f" {m['python']}, jax {m['jax']}, optax {m['optax']}, flax {m['flax']},"
+    f" numpy {m['numpy']}; {s['budget']:,} micro-batches of"
+    f" {s['micro_batch']} samples per run ({tokens} tokens), seeds"
+    f" {' / '.join(results['runs'])}"
+  )
+
+
+def report(results: dict) -> str:
+  """results.md: the table, the noise scale, the controllers' decisions."""
+  return "\n\n".join(
+    [
+      markdown_table(results),
+      noise_note(results),
+      decisions_table(results),
+      provenance(results) + ".",
+    ]
+  )
+
+
 def noise_note(results: dict) -> str:
   """B_simple at the end of each seed's runs, in tokens and micro-batches."""
   notes = []
@@ -433,14 +493,11 @@ def evaluate(s: Settings, out: pathlib.Path) -> dict:
   summarize(runs)
   results["runs"] = {str(seed): by_run for seed, by_run in runs.items()}
   results["total_seconds"] = time.perf_counter() - start
-  table = markdown_table(results)
-  note = noise_note(results)
+  text = report(results)
   (out / "results.json").write_text(json.dumps(results, indent=1))
-  (out / "results.md").write_text(table + "\n\n" + note + "\n")
+  (out / "results.md").write_text(text + "\n")
   plot(results, out / "adaptive.png")
-  print(
-    table, note, f"wrote {out} ({results['total_seconds']:.0f} s)", sep="\n"
-  )
+  print(text, f"wrote {out}", sep="\n")
   return results
 
 
