@@ -117,6 +117,7 @@ def make_every_k(s: Settings, run: str, budget_tokens: float):
 
 
 def make_tx(s: Settings, run: str, budget_tokens: float):
+  """accumulate(inner_for_every_k(clip + Adam at lr(k)), every_k of `run`)."""
   coupled = run != "controller-uncoupled"
 
   def inner(k):
