@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum import _checks, _noise_scale
+from optax_accum import _checks, _noise_scale, _state
 from optax_accum._state import GrowState, NoiseScaleState
 
 INT32_MAX = int(np.iinfo(np.int32).max)
@@ -283,11 +283,6 @@ def add_weight_seen(seen: jax.Array, weight: jax.Array) -> jax.Array:
   return jnp.stack([new_total, lost])
 
 
-def read_weight_seen(seen: jax.Array) -> jax.Array:
-  seen = jnp.asarray(seen)
-  return seen[0] - seen[1]
-
-
 def _grown(
   grow: GrowEveryK,
   k: jax.Array,
@@ -338,7 +333,7 @@ def next_k(
   if spec.fixed is not None:
     return k, grow_state
   if spec.schedule is not None:
-    return _scheduled(spec, step, read_weight_seen(weight_seen)), grow_state
+    return _scheduled(spec, step, _state.total_of(weight_seen)), grow_state
   grown, new_state = _grown(
     spec.grow, k, grow_state, noise, cycle_weight, cycle_micro_batches, decay
   )

@@ -16,11 +16,11 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-from optax_accum._state import DEVICE_LOCAL_FIELDS, AccumulateState
-
-
-def _is_accumulate_state(x: Any) -> bool:
-  return isinstance(x, AccumulateState)
+from optax_accum._state import (
+  DEVICE_LOCAL_FIELDS,
+  AccumulateState,
+  is_accumulate_state,
+)
 
 
 def _device_local_mask(state: AccumulateState) -> AccumulateState:
@@ -39,9 +39,9 @@ def _map_accumulate_states(opt_state: Any, fn: Callable, other: Callable):
   `other`."""
 
   def visit(node: Any) -> Any:
-    return fn(node) if _is_accumulate_state(node) else other(node)
+    return fn(node) if is_accumulate_state(node) else other(node)
 
-  return jax.tree.map(visit, opt_state, is_leaf=_is_accumulate_state)
+  return jax.tree.map(visit, opt_state, is_leaf=is_accumulate_state)
 
 
 def shard_map_specs(opt_state: Any, axis_name: Hashable) -> Any:

@@ -114,7 +114,7 @@ DEVICE_LOCAL_FIELDS = {
 }
 
 
-def _is_accumulate_state(x: Any) -> bool:
+def is_accumulate_state(x: Any) -> bool:
   return isinstance(x, AccumulateState)
 
 
@@ -127,8 +127,8 @@ def find_state(opt_state: Any, reader: str) -> AccumulateState:
   """
   found = [
     x
-    for x in jax.tree.leaves(opt_state, is_leaf=_is_accumulate_state)
-    if _is_accumulate_state(x)
+    for x in jax.tree.leaves(opt_state, is_leaf=is_accumulate_state)
+    if is_accumulate_state(x)
   ]
   if len(found) == 1:
     return found[0]
@@ -257,5 +257,10 @@ def weight_seen(opt_state: optax.OptState) -> jax.Array:
   Returns:
     A ``float32[]``.
   """
-  seen = jnp.asarray(find_state(opt_state, "weight_seen").weight_seen)
+  return total_of(find_state(opt_state, "weight_seen").weight_seen)
+
+
+def total_of(weight_seen: Any) -> jax.Array:
+  """The value of a compensated ``[total, -rounding error]`` sum."""
+  seen = jnp.asarray(weight_seen)
   return seen[..., 0] - seen[..., 1]

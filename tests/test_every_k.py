@@ -95,7 +95,7 @@ def test_weight_seen_is_a_compensated_sum():
     seen = add(seen, jnp.float32(1.0))
     plain = plain + jnp.float32(1.0)
   assert float(plain) == 2.0**24  # what an uncompensated float32 gives
-  assert float(optax_accum._every_k.read_weight_seen(seen)) == 2.0**24 + 100
+  assert float(optax_accum._state.total_of(seen)) == 2.0**24 + 100
 
 
 # ---------------------------------------------------------------------------
