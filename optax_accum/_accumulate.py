@@ -34,7 +34,15 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _checks, _every_k, _noise_scale, _vma, _weighting
+from optax_accum import (
+  _checks,
+  _engine,
+  _every_k,
+  _noise_scale,
+  _unreduced,
+  _vma,
+  _weighting,
+)
 from optax_accum._state import AccumulateState
 
 EveryK = int | Callable[..., Any] | _every_k.GrowEveryK
@@ -165,7 +173,9 @@ def _gradient_params(params: optax.Params) -> optax.Params:
   return params
 
 
-def _zeros_like_param(param: Any, accumulator_dtype: Any) -> jax.Array:
+def _zeros_like_param(
+  param: Any, accumulator_dtype: Any, engine: _engine.Engine
+) -> jax.Array:
   """A zero accumulator leaf placed like `param`.
 
   A committed array's sharding is copied; an uncommitted one (created
@@ -177,6 +187,8 @@ def _zeros_like_param(param: Any, accumulator_dtype: Any) -> jax.Array:
   dtype = _checks.leaf_accumulator_dtype(
     accumulator_dtype, jnp.result_type(param)
   )
+  if engine.unreduced:
+    return _unreduced.unreduced_zeros_like(param, engine.axis_name, dtype)
   if isinstance(param, jax.Array) and not isinstance(param, jax.core.Tracer):
     device = param.sharding if param.committed else None
     return jnp.zeros(param.shape, dtype, device=device)
@@ -265,7 +277,11 @@ class _MicroBatch(NamedTuple):
 
 
 def _accept(
-  config: _Config, grads: Any, weight: Any, flush: Any
+  config: _Config,
+  engine: _engine.Engine,
+  grads: Any,
+  weight: Any,
+  flush: Any,
 ) -> _MicroBatch:
   """Checks the call's arguments; decides whether the micro-batch counts."""
   weighted = weight is not None
@@ -274,14 +290,13 @@ def _accept(
   flush = _check_flush(flush)
   accepted = jnp.asarray(True)
   if config.skip_nonfinite:
-    grads_finite = jnp.asarray(True)
-    for g in jax.tree.leaves(grads):
-      grads_finite &= jnp.all(jnp.isfinite(g))
+    grads_finite = engine.all_finite(grads)
     # A zero-weight micro-batch (e.g. the 0/0 mean of an all-padding
     # micro-batch) counts toward k and contributes nothing, NaN or not.
     accepted = jnp.isfinite(weight) & (grads_finite | (weight == 0))
-  if config.axis_name is not None:
-    # Replicas must agree on what is skipped and on when a cycle ends.
+  if engine.kind == _engine.SHARD_MAP:
+    # Replicas must agree on what is skipped and on when a cycle ends
+    # (under plain jit, the unreduced engine's scalars are global already).
     if config.skip_nonfinite:
       accepted = lax.pmin(accepted.astype(jnp.int32), config.axis_name) > 0
     if may_flush:
@@ -289,17 +304,25 @@ def _accept(
   return _MicroBatch(grads, weight, weighted, accepted, flush)
 
 
-def _add_leaf(acc, g, *, fresh, weight, accepted, guarded):
+def _add_leaf(acc, g, *, fresh, weight, accepted, guarded, engine):
   """Design point 1 + 2: the add, outside control flow, from 0 when fresh."""
   compute = _weighting.compute_dtype(acc.dtype)
-  base = jnp.where(fresh, jnp.zeros([], compute), acc.astype(compute))
-  summed = base + _weighting.weighted_term(g, weight, compute)
+  acc_c = acc.astype(compute)
+  base = engine.select(fresh, engine.zero(acc_c), acc_c)
+  term = jnp.asarray(g).astype(compute)
+  if weight is not None:
+    # Weight 0 adds exact zeros, even where `g` is NaN (see weighted_term).
+    term = engine.select(
+      weight == 0, engine.zero(term), engine.scale(term, weight)
+    )
+  summed = base + term
   if guarded:
-    summed = jnp.where(accepted, summed, base)
+    summed = engine.select(accepted, summed, base)
   return summed.astype(acc.dtype)
 
 
 def _add(
+  engine: _engine.Engine,
   acc_grads: Any,
   acc_weight: jax.Array,
   micro: _MicroBatch,
@@ -309,6 +332,7 @@ def _add(
   """The new accumulator and total weight after adding `micro`."""
   add_leaf = functools.partial(
     _add_leaf,
+    engine=engine,
     fresh=fresh,
     weight=micro.weight if micro.weighted else None,
     accepted=micro.accepted,
@@ -325,11 +349,12 @@ def _enters_emitting_branch(
   cycle_end: jax.Array,
   micro_step: jax.Array,
   total_weight: jax.Array,
-  axis_name: Hashable | None,
+  engine: _engine.Engine,
 ) -> jax.Array:
-  if axis_name is None:
-    # Known locally: a weightless cycle skips the branch entirely (a NaN
-    # total still enters, so that the NaN reaches `inner`).
+  if engine.kind != _engine.SHARD_MAP:
+    # Known here (under plain jit the weight is global): a weightless cycle
+    # skips the branch entirely (a NaN total still enters, so that the NaN
+    # reaches `inner`).
     return cycle_end & ~(total_weight <= 0)
   # The global weight is only known after the all-reduce in the branch.
   return cycle_end & (micro_step > 0)
@@ -342,6 +367,9 @@ class _Plan(NamedTuple):
   update_types: Any  # ... of inner's updates.
   inner_state_types: Any  # ... of inner's new state.
   reuse_buffer: bool  # Design point 3 applies.
+  # Unreduced engine: PartitionSpecs of the reduced sum (the params' own
+  # when given, so that `inner` sees gradients laid out like the params).
+  reduced_specs: Any = None
 
 
 def _holds_exactly(wide: Any, narrow: Any) -> bool:
@@ -361,8 +389,20 @@ def _holds_exactly(wide: Any, narrow: Any) -> bool:
   return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp
 
 
+def _reduced_specs(engine: _engine.Engine, acc: Any, params: Any) -> Any:
+  """Where the unreduced engine's one reduction puts each leaf."""
+  if not engine.unreduced:
+    return None
+  if params is not None:
+    return jax.tree.map(_unreduced.spec_of, _gradient_params(params))
+  return jax.tree.map(
+    lambda a: _unreduced.reduced_spec(a, engine.axis_name), acc
+  )
+
+
 def _plan(
   config: _Config,
+  engine: _engine.Engine,
   inner: optax.GradientTransformationExtraArgs,
   extra_args: dict,
   grads: Any,
@@ -370,9 +410,19 @@ def _plan(
   inner_state: Any,
   params: Any,
 ) -> _Plan:
-  grad_types = jax.tree.map(
-    lambda g: jax.ShapeDtypeStruct(jnp.shape(g), jnp.result_type(g)), grads
-  )
+  reduced_specs = _reduced_specs(engine, acc, params)
+  if reduced_specs is None:
+    grad_types = jax.tree.map(
+      lambda g: jax.ShapeDtypeStruct(jnp.shape(g), jnp.result_type(g)), grads
+    )
+  else:  # The gradient `inner` sees is reduced, with a sharding in its type.
+    grad_types = jax.tree.map(
+      lambda g, spec: jax.ShapeDtypeStruct(
+        jnp.shape(g), jnp.result_type(g), sharding=spec
+      ),
+      grads,
+      reduced_specs,
+    )
   update_types, inner_state_types = jax.eval_shape(
     lambda g, s, p: inner.update(g, s, p, **extra_args),
     grad_types,
@@ -388,14 +438,27 @@ def _plan(
   # Not inside shard_map with check_vma=True: there the accumulator varies
   # over `axis_name` while the updates, summed over it, do not, and one
   # buffer cannot hold both types.
-  varies = config.axis_name is not None and _vma.varies_over(
+  # Nor with the unreduced engine: the accumulator is unreduced, the
+  # updates are not.
+  varies = engine.kind == _engine.SHARD_MAP and _vma.varies_over(
     acc, config.axis_name
   )
-  return _Plan(grad_types, update_types, inner_state_types, fits and not varies)
+  reuse = fits and not varies and not engine.unreduced
+  return _Plan(
+    grad_types, update_types, inner_state_types, reuse, reduced_specs
+  )
 
 
-def _zeros(types: Any) -> Any:
-  return jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), types)
+def _zeros(types: Any, typed: bool = False) -> Any:
+  """Zeros of `types`; `typed`: with the sharding in each type (explicit
+  mesh axes, where both branches of a conditional must agree on it)."""
+
+  def zeros(t):
+    if typed:
+      return jnp.zeros(t.shape, t.dtype, out_sharding=t.sharding.spec)
+    return jnp.zeros(t.shape, t.dtype)
+
+  return jax.tree.map(zeros, types)
 
 
 def _settle(inner_state: Any, types: Any) -> Any:
@@ -477,19 +540,31 @@ def _run_inner(inner, extra_args, grad, inner_state, params):
 def _skip_inner(plan, grad, inner_state, params):
   del grad, params
   return (
-    _zeros(plan.update_types),
+    _zeros(plan.update_types, plan.reduced_specs is not None),
     _settle(inner_state, plan.inner_state_types),
     jnp.asarray(False),
   )
 
 
 def _emit(
-  config, tx, plan, extra_args, acc, weight, noise, mean_sq, inner, params
+  config,
+  engine,
+  tx,
+  plan,
+  extra_args,
+  acc,
+  weight,
+  noise,
+  mean_sq,
+  inner,
+  params,
 ):
   """The emitting branch: the (reduced) mean gradient through `tx`, the
   inner transformation, whose state is `inner`."""
-  if config.axis_name is not None:
+  if engine.kind == _engine.SHARD_MAP:
     acc, weight, noise = _all_reduce(acc, weight, noise, config.axis_name)
+  elif engine.unreduced:  # The weight is global already.
+    acc = _unreduced.reduce(acc, engine.axis_name, plan.reduced_specs)
   inv_weight = _inverse_weight(weight)
   grad = _mean_gradient(acc, inv_weight, plan, config.reduction)
   if noise is not None:
@@ -499,7 +574,7 @@ def _emit(
       noise, mean_sq, weight, config.noise_scale_decay
     )
   run = functools.partial(_run_inner, tx, extra_args)
-  if config.axis_name is None:
+  if engine.kind != _engine.SHARD_MAP:  # Entered with a positive weight.
     updates, inner, emitted = run(grad, inner, params)
   else:
     positive = ~(weight <= 0)  # NaN: let it reach `inner`
@@ -517,7 +592,11 @@ def _emit(
 def _hold(plan, acc, weight, noise, mean_sq, inner, params):
   """The holding branch: passes the accumulator through (design point 3)."""
   del mean_sq, params
-  held = acc if plan.reuse_buffer else _zeros(plan.update_types)
+  held = (
+    acc
+    if plan.reuse_buffer
+    else _zeros(plan.update_types, plan.reduced_specs is not None)
+  )
   inner = _settle(inner, plan.inner_state_types)
   return (
     held,
@@ -594,6 +673,15 @@ def _next_cycle(
   return weight_seen, k, grow
 
 
+def _is_traced(tree: Any) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+
+
+@functools.cache
+def _jitted_update(config: _Config) -> Callable[..., Any]:
+  return jax.jit(functools.partial(_update, config))
+
+
 def _update(
   config: _Config,
   updates: optax.Updates,
@@ -610,10 +698,23 @@ def _update(
   if _passes_through(config, weight, flush):
     return _inner_alone(inner, updates, state, params, extra_args)
 
-  micro = _accept(config, updates, weight, flush)
+  engine = _engine.for_update(
+    config.axis_name, updates, state.acc_grads, config.track_noise_scale
+  )
+  if engine.unreduced and not _is_traced(updates):
+    # Eager ops on unreduced arrays fail (jax 0.10.2): run the step jitted.
+    return _jitted_update(config)(
+      updates, state, params, weight=weight, flush=flush, **extra_args
+    )
+  micro = _accept(config, engine, updates, weight, flush)
   fresh = state.micro_step == 0
   acc, total_weight = _add(
-    state.acc_grads, state.acc_weight, micro, fresh, config.skip_nonfinite
+    engine,
+    state.acc_grads,
+    state.acc_weight,
+    micro,
+    fresh,
+    config.skip_nonfinite,
   )
   micro_step = state.micro_step + micro.accepted.astype(jnp.int32)
   noise = state.noise
@@ -623,12 +724,10 @@ def _update(
     )
 
   cycle_end = (micro_step >= state.every_k) | micro.flush
-  enter = _enters_emitting_branch(
-    cycle_end, micro_step, total_weight, config.axis_name
-  )
+  enter = _enters_emitting_branch(cycle_end, micro_step, total_weight, engine)
 
   plan = _plan(
-    config, inner, extra_args, updates, acc, state.inner_state, params
+    config, engine, inner, extra_args, updates, acc, state.inner_state, params
   )
   mean_sq = None
   if noise is not None and config.axis_name is None:
@@ -636,7 +735,7 @@ def _update(
   # _vma.cond is lax.cond unless an operand varies over a shard_map axis.
   out, total_weight, noise, inner_state, emitted, cycle_weight = _vma.cond(
     enter,
-    functools.partial(_emit, config, inner, plan, extra_args),
+    functools.partial(_emit, config, engine, inner, plan, extra_args),
     functools.partial(_hold, plan),
     acc,
     total_weight,
@@ -671,8 +770,13 @@ def _update(
 
 
 def _init(config: _Config, params: optax.Params) -> AccumulateState:
+  engine = _engine.for_init(config.axis_name, params)
+  if engine.unreduced and config.track_noise_scale:
+    _engine.refuse_noise_scale(config.axis_name)
   zeros = functools.partial(
-    _zeros_like_param, accumulator_dtype=config.accumulator_dtype
+    _zeros_like_param,
+    accumulator_dtype=config.accumulator_dtype,
+    engine=engine,
   )
   every_k = _every_k.first(config.every_k)
   # Separate calls: every leaf is its own buffer, so the whole state can be

@@ -111,7 +111,7 @@ def check_explicit_axis(axis_name: AxisName = "data", mesh: Any = None) -> Any:
   return mesh
 
 
-def _spec(x: Any) -> P:
+def spec_of(x: Any) -> P:
   """The PartitionSpec in the type of an array, tracer or ShapeDtypeStruct."""
   sharding = getattr(x, "sharding", None)
   if isinstance(x, jax.ShapeDtypeStruct) or not hasattr(x, "aval"):
@@ -130,7 +130,7 @@ def is_unreduced(x: Any, axis_name: AxisName = "data") -> bool:
 
   Works on arrays, tracers under ``jit`` and ``jax.ShapeDtypeStruct``.
   """
-  unreduced = getattr(_spec(x), "unreduced", frozenset())
+  unreduced = getattr(spec_of(x), "unreduced", frozenset())
   return set(_axes(axis_name)) <= set(unreduced)
 
 
@@ -173,7 +173,7 @@ def unreduced_spec(x: Any, axis_name: AxisName = "data") -> P:
   """The spec of an accumulator for `x`: `x`'s own sharding over the other
   mesh axes, unreduced over `axis_name` (and not sharded over it: a param
   sharded over the data axis, FSDP-style, gets a full-size accumulator)."""
-  spec = _spec(x)
+  spec = spec_of(x)
   axes = _axes(axis_name)
   return P(
     *_without(spec, axes),
@@ -205,11 +205,22 @@ def unreduced_zeros_like(
   return jnp.zeros(jnp.shape(x), dtype, out_sharding=spec)
 
 
+def reduced_spec(x: Any, axis_name: AxisName = "data") -> P:
+  """The spec of `x` summed over `axis_name`: unreduced no more, same
+  sharding over the other mesh axes, replicated over `axis_name`."""
+  spec = spec_of(x)
+  return P(
+    *_parts(spec),
+    unreduced=frozenset(spec.unreduced) - frozenset(_axes(axis_name)),
+    reduced=spec.reduced,
+  )
+
+
 def to_reduced(x: Any, axis_name: AxisName = "data") -> jax.Array:
   """A replicated value, typed ``reduced`` over `axis_name` (no
   communication), so that it may multiply or select unreduced arrays."""
   x = jnp.asarray(x)
-  spec = _spec(x)
+  spec = spec_of(x)
   return jax.reshard(
     x,
     P(
@@ -274,18 +285,8 @@ def reduce(
   Returns:
     `tree`, summed over the devices of `axis_name`.
   """
-  axes = frozenset(_axes(axis_name))
-
-  def default(x):
-    spec = _spec(x)
-    return P(
-      *_parts(spec),
-      unreduced=frozenset(spec.unreduced) - axes,
-      reduced=spec.reduced,
-    )
-
   if out_specs is None:
-    out_specs = jax.tree.map(default, tree)
+    out_specs = jax.tree.map(lambda x: reduced_spec(x, axis_name), tree)
   return jax.reshard(tree, out_specs)
 
 
@@ -299,7 +300,7 @@ def from_per_device(stacked: Any, axis_name: AxisName = "data") -> Any:
   """
 
   def one(s):
-    parts = _parts(_spec(s))[1:]
+    parts = _parts(spec_of(s))[1:]
     parts += (None,) * (s.ndim - 1 - len(parts))
     out = P(*parts, unreduced=frozenset(_axes(axis_name)))
     ones = jnp.ones(s.shape[:1], s.dtype, out_sharding=P(axis_name))
@@ -390,7 +391,7 @@ def local_value_and_grad(
     # FSDP: a param sharded over the data axis is gathered (the forward
     # needs it whole); its gradient is then a full-size partial sum.
     params = jax.tree.map(
-      lambda p: jax.reshard(p, P(*_without(_spec(p), axes))), params
+      lambda p: jax.reshard(p, P(*_without(spec_of(p), axes))), params
     )
     specs = (
       tuple(in_specs) if in_specs is not None else (P(axis_name),) * len(args)
