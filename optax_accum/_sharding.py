@@ -83,7 +83,11 @@ def state_shardings(
     key path, which ends with the param's key path, and by its shape, which
     equals the param's (the longest matching path wins);
   * every other leaf (step counters, the total weight, factored second
-    moments of another shape, ...) is replicated: ``NamedSharding(mesh, P())``.
+    moments of another shape, ...) is replicated: ``NamedSharding(mesh, P())``;
+  * except, on a mesh with ``AxisType.Explicit`` axes, a leaf whose type
+    ``init`` makes unreduced, such as the accumulator of
+    ``accumulate(..., axis_name="data")`` under plain ``jit``: it gets the
+    spec ``init`` gives it, e.g. ``P(None, "model", unreduced={"data"})``.
 
   Any sharding is numerically correct; these only decide where each leaf
   lives. Pass them to ``jax.jit(tx.init, out_shardings=...)`` (a jitted
@@ -132,8 +136,14 @@ def state_shardings(
     lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params
   )
   state_shapes = jax.eval_shape(init, abstract)
+  typed_shapes = _typed_state_shapes(init, params, replicated.mesh)
+  if typed_shapes is None:
+    typed_shapes = state_shapes
 
-  def follow(path: tuple, leaf: Any) -> NamedSharding:
+  def follow(path: tuple, leaf: Any, typed: Any) -> NamedSharding:
+    spec = getattr(getattr(typed, "sharding", None), "spec", None)
+    if getattr(spec, "unreduced", None):
+      return NamedSharding(replicated.mesh, spec)
     shape = tuple(leaf.shape)
     for param_path, param_shape, sharding in found:
       ends_with = len(param_path) <= len(path) and (
@@ -143,4 +153,18 @@ def state_shardings(
         return sharding
     return replicated
 
-  return jax.tree_util.tree_map_with_path(follow, state_shapes)
+  return jax.tree_util.tree_map_with_path(follow, state_shapes, typed_shapes)
+
+
+def _typed_state_shapes(init: Callable, params: Any, mesh: Any) -> Any:
+  """On a mesh with explicit axes, the state's types as ``init`` makes them
+  from params typed with their shardings; ``None`` otherwise."""
+  explicit = jax.sharding.AxisType.Explicit
+  if not any(t == explicit for t in getattr(mesh, "axis_types", ())):
+    return None
+  typed = jax.tree.map(
+    lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding),
+    params,
+  )
+  with jax.set_mesh(mesh):
+    return jax.eval_shape(init, typed)
