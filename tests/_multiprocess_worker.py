@@ -10,6 +10,9 @@ and trains a token-weighted linear model for two optimizer steps of
 * ``shard_map``: each device passes its local, unreduced gradient to
   ``accumulate(..., axis_name="data")``; the reduction happens once per
   optimizer step.
+* ``unreduced``: plain ``jit`` on a mesh whose ``data`` axis is explicit;
+  ``local_value_and_grad`` gives gradients typed unreduced over it and the
+  same ``accumulate(..., axis_name="data")`` reduces once per optimizer step.
 
 Both must equal a big-batch reference that this process computes alone on one
 of its devices from the whole data set (every process can build it: the data
@@ -111,11 +114,11 @@ def main(argv=None) -> None:
       updates, ref_state = inner.update(grad, ref_state, ref)
       ref = optax.apply_updates(ref, updates)
 
-    def global_batch(a, s, i):
+    def global_batch(a, s, i, sharding=by_batch):
       """Micro-batch i of step s, each process filling only its shards."""
       part = a[s, i]
       return jax.make_array_from_callback(
-        part.shape, by_batch, lambda index: part[index]
+        part.shape, sharding, lambda index: part[index]
       )
 
     def fetch(tree):
@@ -190,6 +193,33 @@ def main(argv=None) -> None:
         )
     results["shard_map"] = fetch(params)
     results["shard_map_step"] = int(fetch(state.step))
+
+    # Plain jit, unreduced gradients: the same accumulate, no shard_map.
+    explicit = jax.make_mesh(
+      (n_dev,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,)
+    )
+    grad_fn = optax_accum.local_value_and_grad(mean_loss, has_weight=True)
+
+    @jax.jit
+    def unreduced_step(params, state, x, y, mask):
+      (_, tokens), grads = grad_fn(params, x, y, mask)
+      updates, state = tx.update(grads, state, params, weight=tokens)
+      return optax.apply_updates(params, updates), state
+
+    with jax.set_mesh(explicit):
+      params = jax.device_put(params0, NamedSharding(explicit, P()))
+      state = tx.init(params)
+      by_batch = NamedSharding(explicit, P("data"))
+      for s in range(STEPS):
+        for i in range(K):
+          batch = [global_batch(a, s, i, by_batch) for a in (x, y, mask)]
+          if s == i == 0:  # The gradient is reduced in the emitting branch.
+            optax_accum.assert_reduction_deferred(
+              unreduced_step, params, state, *batch, min_bytes=4 * OUT
+            )
+          params, state = unreduced_step(params, state, *batch)
+    results["unreduced"] = fetch(params)
+    results["unreduced_step"] = int(fetch(state.step))
     results["reference"] = fetch(ref)
     results["process_count"] = jax.process_count()
     results["device_count"] = n_dev

@@ -1,7 +1,8 @@
 """A real multi-process run: 2 processes x 2 CPU devices on `jax.distributed`.
 
 The worker (tests/_multiprocess_worker.py) trains with accumulation under
-GSPMD ``jit`` and under ``shard_map`` + ``axis_name``, with the data sharded
+GSPMD ``jit``, under ``shard_map`` + ``axis_name`` and under plain ``jit``
+with unreduced gradients + ``axis_name``, with the data sharded
 across the processes, and compares both with a big-batch reference. The
 processes talk over loopback (coordinator on 127.0.0.1, gloo collectives),
 are bounded by a timeout and are always killed at the end.
@@ -99,7 +100,7 @@ def test_workers_form_one_job_of_all_devices(results):
     assert r["device_count"] == NUM_PROCESSES * DEVICES_PER_PROCESS
 
 
-@pytest.mark.parametrize("recipe", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("recipe", ["gspmd", "shard_map", "unreduced"])
 def test_matches_single_process_big_batch(results, recipe):
   """Two optimizer steps of accumulated, token-weighted micro-batches, with
   the data split over processes, land on the big-batch params (float32
@@ -112,7 +113,7 @@ def test_matches_single_process_big_batch(results, recipe):
       )
 
 
-@pytest.mark.parametrize("recipe", ["gspmd", "shard_map"])
+@pytest.mark.parametrize("recipe", ["gspmd", "shard_map", "unreduced"])
 def test_processes_agree(results, recipe):
   """Every process ends with the same (replicated) params, bit for bit."""
   for name in ("w", "b"):
