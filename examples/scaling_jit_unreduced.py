@@ -1,18 +1,17 @@
 """One all-reduce per optimizer step under plain ``jax.jit``: unreduced grads.
 
 Data parallelism with ``jax.jit`` on a mesh whose ``data`` axis is
-``AxisType.Explicit``. Each micro-step computes every device's local
-gradient with :func:`optax_accum._unreduced.local_value_and_grad`, typed
-unreduced over ``data`` (no communication), and adds it to an accumulator
-that stays unreduced in the optimizer state across jitted calls. The call
-that ends a cycle of ``k`` micro-batches sums the accumulator over the
-devices once (``jax.reshard``) inside the emitting branch of a ``lax.cond``
-and runs adam on the token-weighted mean.
+``AxisType.Explicit``, no ``shard_map`` in sight. Each micro-step computes
+every device's local gradient with :func:`optax_accum.local_value_and_grad`,
+typed unreduced over ``data`` (no communication), and hands it to
+``optax_accum.accumulate(adam, k, axis_name="data")``, whose accumulator
+stays unreduced in the optimizer state across jitted calls. The call that
+ends a cycle of ``k`` micro-batches sums the accumulator over the devices
+once, inside the branch that runs adam on the token-weighted mean.
 
-The accumulation loop here is a prototype of what ``accumulate(inner, k,
-axis_name="data")`` will do under plain ``jit``; the example checks itself
-against one big batch on one device and prints the collectives of the
-compiled step: those every call pays, and those only emitting calls pay::
+The example checks itself against one big batch on one device and prints
+the collectives of the compiled step: those every call pays, and those only
+emitting calls pay::
 
   python examples/scaling_jit_unreduced.py [--steps 3] [--every-k 4]
 """
@@ -30,17 +29,15 @@ if "xla_force_host_platform_device_count" not in os.environ.get(
 
 import argparse  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
-from typing import Any, NamedTuple  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax import lax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from optax_accum import _collectives, _unreduced  # noqa: E402
+import optax_accum  # noqa: E402
 
 AXIS = "data"
 VOCAB, DIM, OUT, SEQ = 32, 16, 4, 6
@@ -86,65 +83,6 @@ def make_batch(key: jax.Array, size: int) -> dict:
 
 
 # ---------------------------------------------------------------------------
-# Prototype of the accumulation loop (to be replaced by `accumulate`).
-# ---------------------------------------------------------------------------
-
-
-class ProtoState(NamedTuple):
-  micro_step: jax.Array  # int32[]
-  acc_grads: Any  # like params, unreduced over AXIS
-  acc_weight: jax.Array  # float32[], global tokens this cycle
-  inner_state: Any
-
-
-def proto_init(inner: optax.GradientTransformation, params: Any) -> ProtoState:
-  return ProtoState(
-    micro_step=jnp.zeros([], jnp.int32),
-    acc_grads=jax.tree.map(_unreduced.unreduced_zeros_like, params),
-    acc_weight=jnp.zeros([], jnp.float32),
-    inner_state=inner.init(params),
-  )
-
-
-def proto_update(inner, every_k, grads, state, params, weight):
-  """Adds `weight * grads` (unreduced); every `every_k` calls, reduces once
-  and runs `inner` on the weighted mean."""
-  _unreduced.check_unreduced(grads, AXIS)
-  fresh = state.micro_step == 0
-  # Lazy reset as a select between unreduced arrays (no eager zeroing).
-  acc = jax.tree.map(
-    lambda a, g: (
-      _unreduced.where(fresh, jnp.zeros_like(a), a)
-      + _unreduced.scale(g, weight)
-    ),
-    state.acc_grads,
-    grads,
-  )
-  total = jnp.where(fresh, 0.0, state.acc_weight) + weight
-  micro_step = state.micro_step + 1
-  emit = micro_step >= every_k
-
-  def run_inner(acc, total, inner_state, params):
-    summed = _unreduced.reduce(acc, AXIS)  # the one all-reduce
-    mean = jax.tree.map(lambda s: s * (1.0 / total), summed)
-    return inner.update(mean, inner_state, params)
-
-  def hold(acc, total, inner_state, params):
-    return jax.tree.map(jnp.zeros_like, params), inner_state
-
-  updates, inner_state = lax.cond(
-    emit, run_inner, hold, acc, total, state.inner_state, params
-  )
-  new_state = ProtoState(
-    micro_step=jnp.where(emit, 0, micro_step),
-    acc_grads=acc,
-    acc_weight=total,
-    inner_state=inner_state,
-  )
-  return updates, new_state
-
-
-# ---------------------------------------------------------------------------
 # Run and check.
 # ---------------------------------------------------------------------------
 
@@ -154,22 +92,27 @@ def run(steps: int, every_k: int, micro_batch: int, lr: float) -> float:
   n = jax.device_count()
   mesh = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Explicit,))
   inner = optax.adam(lr)
+  tx = optax_accum.accumulate(inner, every_k, axis_name=AXIS)
   # Host copies: the device params are donated to the step.
   params0 = jax.tree.map(np.asarray, init_params(jax.random.key(0)))
   batches = [
     make_batch(jax.random.key(i + 1), micro_batch)
     for i in range(steps * every_k)
   ]
-  grad_fn = _unreduced.local_value_and_grad(token_loss, has_weight=True)
+  # Each device's gradient, typed unreduced over AXIS, and the micro-batch's
+  # global token count as its weight.
+  grad_fn = optax_accum.local_value_and_grad(
+    token_loss, axis_name=AXIS, has_weight=True
+  )
 
   def micro_step(params, state, batch):
-    (_, weight), grads = grad_fn(params, batch)
-    updates, state = proto_update(inner, every_k, grads, state, params, weight)
+    (_, tokens), grads = grad_fn(params, batch)
+    updates, state = tx.update(grads, state, params, weight=tokens)
     return optax.apply_updates(params, updates), state
 
   with jax.set_mesh(mesh):
     params = jax.device_put(params0, NamedSharding(mesh, P()))
-    state = jax.jit(proto_init, static_argnums=0)(inner, params)
+    state = tx.init(params)  # accumulators typed unreduced over AXIS
     step = jax.jit(micro_step, donate_argnums=(0, 1))
     sharded = [jax.device_put(b, NamedSharding(mesh, P(AXIS))) for b in batches]
     compiled = step.lower(params, state, sharded[0]).compile()
@@ -177,10 +120,10 @@ def run(steps: int, every_k: int, micro_batch: int, lr: float) -> float:
       params, state = step(params, state, batch)
     print("accumulator:", jax.typeof(state.acc_grads["w"]))
 
-  ops = _collectives.collectives(compiled)
+  ops = optax_accum.collectives(compiled)
   param_bytes = sum(4 * p.size for p in jax.tree.leaves(params0))
   print(f"{n} devices, k={every_k}, params {param_bytes} bytes")
-  print(_collectives.format_collectives(ops))
+  print(optax_accum.format_collectives(ops))
   every_call = [o for o in ops if o.opcode == "all-reduce" and o.unconditional]
   emitting = [o for o in ops if o.opcode == "all-reduce" and o.emitting]
   print(
@@ -190,7 +133,7 @@ def run(steps: int, every_k: int, micro_batch: int, lr: float) -> float:
     f" ({sum(o.bytes for o in emitting)} bytes)"
   )
   # Raises if a reduction of >= 1 KiB runs outside the emitting branch.
-  _collectives.assert_reduction_deferred(compiled)
+  optax_accum.assert_reduction_deferred(compiled)
 
   # Reference: one big batch of every_k micro-batches per step, one device.
   ref_params, ref_state = params0, inner.init(params0)
@@ -208,7 +151,7 @@ def run(steps: int, every_k: int, micro_batch: int, lr: float) -> float:
       jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True
     )
   )
-  print(f"max |params - big batch| after {steps} steps: {diff:.2e}")
+  print(f"max |params - big-batch reference| after {steps} steps: {diff:.2e}")
   if not diff < 1e-5:
     raise SystemExit(f"mismatch with the big batch: {diff}")
   return diff

@@ -7,6 +7,7 @@ from optax_accum._collectives import (
   assert_reduction_deferred as assert_reduction_deferred,
 )
 from optax_accum._collectives import collectives as collectives
+from optax_accum._collectives import format_collectives as format_collectives
 from optax_accum._every_k import grow_every_k as grow_every_k
 from optax_accum._every_k import piecewise_every_k as piecewise_every_k
 from optax_accum._layout import add_device_axis as add_device_axis
@@ -40,6 +41,7 @@ __all__ = (
   "collectives",
   "current_every_k",
   "drop_device_axis",
+  "format_collectives",
   "grow_every_k",
   "has_updated",
   "inner_for_every_k",

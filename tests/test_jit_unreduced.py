@@ -65,7 +65,9 @@ def _big_batch(inner, batches, weighted, cycles):
 def _close(actual, expected, atol=ATOL):
   for key in expected:
     np.testing.assert_allclose(
-      np.asarray(actual[key]), np.asarray(expected[key]), atol=atol,
+      np.asarray(actual[key]),
+      np.asarray(expected[key]),
+      atol=atol,
       err_msg=key,
     )
 
@@ -236,9 +238,10 @@ def test_one_parameter_sized_all_reduce_in_the_emitting_branch(layout):
   # for the forward pass: gathers, not gradient reductions.)
   every_call = [o for o in reductions if o.unconditional]
   assert every_call and all(o.bytes <= 8 for o in every_call), ops
-  assert _collectives.assert_reduction_deferred(
-    compiled, min_bytes=PARAM_BYTES // 4
-  ) == ops
+  assert (
+    _collectives.assert_reduction_deferred(compiled, min_bytes=PARAM_BYTES // 4)
+    == ops
+  )
 
 
 def test_deferral_check_fails_on_a_per_micro_step_reduction():
@@ -258,9 +261,7 @@ def test_deferral_check_fails_on_a_per_micro_step_reduction():
     state = tx.init(params)
     compiled = jax.jit(step).lower(params, state, batch).compile()
   with pytest.raises(AssertionError, match="all-reduce"):
-    _collectives.assert_reduction_deferred(
-      compiled, min_bytes=PARAM_BYTES // 4
-    )
+    _collectives.assert_reduction_deferred(compiled, min_bytes=PARAM_BYTES // 4)
 
 
 def _nan_on_device(batch, device):
@@ -274,9 +275,7 @@ def _nan_on_device(batch, device):
 @pytest.mark.parametrize("use_jit", [True, False], ids=["jit", "eager"])
 def test_nan_on_one_device_is_skipped_everywhere(use_jit):
   inner = optax.adam(1e-2)
-  tx = optax_accum.accumulate(
-    inner, K, axis_name="data", skip_nonfinite=True
-  )
+  tx = optax_accum.accumulate(inner, K, axis_name="data", skip_nonfinite=True)
   clean = [_make_batch(20 + i) for i in range(K)]
   batches = clean[:1] + [_nan_on_device(_make_batch(99), 5)] + clean[1:]
   params, state = _train("dp", True, batches, tx, use_jit=use_jit)

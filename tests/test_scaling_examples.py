@@ -16,6 +16,10 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 RUNS = {
   "shard_map": ("scaling_shard_map.py", ["--steps", "2", "--every-k", "2"]),
   "fsdp": ("scaling_fsdp.py", ["--steps", "2", "--every-k", "2"]),
+  "jit_unreduced": (
+    "scaling_jit_unreduced.py",
+    ["--steps", "2", "--every-k", "3"],
+  ),
   "multihost_one_process": ("scaling_multihost.py", ["--steps", "1"]),
   "multihost_two_processes": (
     "scaling_multihost.py",
