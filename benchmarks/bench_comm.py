@@ -2,7 +2,7 @@
 
 Data-parallel training of an MLP on ``--devices`` simulated host devices
 (one mesh axis ``data``, params replicated, each device its own slice of
-every micro-batch), ``k`` micro-batches per optimizer step, three recipes:
+every micro-batch), ``k`` micro-batches per optimizer step, four recipes:
 
 * ``gspmd``: ``jit`` with the batch sharded over ``data`` and
   ``optax_accum.accumulate(inner, k)``; XLA all-reduces every micro-batch
@@ -11,7 +11,12 @@ every micro-batch), ``k`` micro-batches per optimizer step, three recipes:
   then ``accumulate(inner, k)``: the same traffic, written by hand;
 * ``axis_name``: ``shard_map``, each device's local gradient into
   ``accumulate(inner, k, axis_name="data")``: one reduction per step, in the
-  conditional branch that emits the update.
+  conditional branch that emits the update;
+* ``jit_unreduced``: plain ``jit`` on a mesh whose ``data`` axis is
+  ``AxisType.Explicit``; ``optax_accum.local_value_and_grad`` gives each
+  device's gradient typed unreduced over ``data`` and the same
+  ``accumulate(inner, k, axis_name="data")`` reduces once per step, in the
+  emitting branch. The helper also all-reduces the 4-byte loss every call.
 
 Bytes come from the compiled micro-step, read by
 ``optax_accum._collectives.collectives``: each all-reduce's payload (bytes
@@ -74,7 +79,7 @@ from rich.table import Table
 import optax_accum
 from optax_accum import collectives
 
-RECIPES = ("gspmd", "psum_each", "axis_name")
+RECIPES = ("gspmd", "psum_each", "axis_name", "jit_unreduced")
 BASELINE = "psum_each"
 
 # ----------------------------------------------------------------------------
@@ -84,10 +89,20 @@ BASELINE = "psum_each"
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-  mesh: jax.sharding.Mesh
+  mesh: jax.sharding.Mesh  # AxisType.Auto
   params: dict[str, np.ndarray]  # on the host: each recipe gets a copy
   micro_batches: list[tuple[jax.Array, jax.Array]]  # sharded over "data"
   width: int
+  explicit_mesh: jax.sharding.Mesh  # the same devices, AxisType.Explicit
+
+  def for_recipe(self, recipe: str) -> tuple[Any, list]:
+    """The mesh and micro-batches `recipe` runs on."""
+    if recipe != "jit_unreduced":
+      return self.mesh, self.micro_batches
+    sharding = NamedSharding(self.explicit_mesh, P("data"))
+    return self.explicit_mesh, [
+      jax.device_put(b, sharding) for b in self.micro_batches
+    ]
 
 
 def make_problem(width: int, per_device_batch: int, count: int) -> Problem:
@@ -115,7 +130,10 @@ def make_problem(width: int, per_device_batch: int, count: int) -> Problem:
     )
     for _ in range(count)
   ]
-  return Problem(mesh, params, micro, width)
+  explicit = jax.make_mesh(
+    (jax.device_count(),), ("data",), axis_types=(AxisType.Explicit,)
+  )
+  return Problem(mesh, params, micro, width, explicit)
 
 
 def loss(params, x, y):
@@ -136,8 +154,21 @@ def make_inner() -> optax.GradientTransformation:
 
 def make_recipe(recipe: str, k: int, problem: Problem):
   """The jitted micro-step of `recipe`, with fresh params and state."""
-  mesh, inner = problem.mesh, make_inner()
+  mesh, inner = problem.for_recipe(recipe)[0], make_inner()
   params = jax.device_put(problem.params, NamedSharding(mesh, P()))
+  if recipe == "jit_unreduced":
+    tx = optax_accum.accumulate(inner, k, axis_name="data")
+    grad_fn = optax_accum.local_value_and_grad(loss)
+
+    def unreduced_step(params, state, x, y):
+      _, grads = grad_fn(params, x, y)  # typed unreduced over "data"
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    with jax.set_mesh(mesh):
+      state = tx.init(params)  # accumulators typed unreduced over "data"
+    return jax.jit(unreduced_step, donate_argnums=(0, 1)), params, state
+
   if recipe == "gspmd":
     tx = optax_accum.accumulate(inner, k)
 
@@ -228,10 +259,12 @@ def measure_k(
   k: int, problem: Problem, args: argparse.Namespace, advance: Callable
 ) -> list[dict[str, Any]]:
   """Traffic and step time of every recipe at `k` micro-batches a step."""
-  runs, rows = {}, {}
+  runs, rows, batches = {}, {}, {}
   for recipe in RECIPES:
+    mesh, batches[recipe] = problem.for_recipe(recipe)
     step, params, state = make_recipe(recipe, k, problem)
-    compiled = step.lower(params, state, *problem.micro_batches[0]).compile()
+    with jax.set_mesh(mesh):
+      compiled = step.lower(params, state, *batches[recipe][0]).compile()
     rows[recipe] = {"recipe": recipe, "k": k, **traffic(compiled, k)}
     runs[recipe] = [compiled, params, state]
     advance()
@@ -240,7 +273,7 @@ def measure_k(
     def one_step(_):
       compiled, params, state = runs[recipe]
       seconds = 0.0
-      for x, y in problem.micro_batches[:k]:
+      for x, y in batches[recipe][:k]:
         t, (params, state) = timed_call(compiled, params, state, x, y)
         seconds += t
       runs[recipe][1:] = [params, state]
@@ -348,6 +381,7 @@ STYLES = {
   "gspmd": {"marker": "s", "ls": "--", "color": "C0", "offset": 0.96},
   "psum_each": {"marker": "o", "ls": "-", "color": "C1", "offset": 1.0},
   "axis_name": {"marker": "^", "ls": "-", "color": "C2", "offset": 1.04},
+  "jit_unreduced": {"marker": "v", "ls": ":", "color": "C3", "offset": 1.08},
 }
 
 

@@ -170,7 +170,8 @@ def test_bench_step_records_the_spread_over_repeats(run_once):
 
 def test_bench_comm_counts_deferred_traffic(run_once):
   """Payload per optimizer step grows with k when every micro-batch is
-  reduced, and stays at one gradient with `axis_name`."""
+  reduced, and stays at one gradient with `axis_name` (under shard_map or
+  plain jit)."""
   out = run_once("bench_comm")
   report = json.loads((out / "bench_comm.json").read_text())
   assert report["config"]["devices"] == 4
@@ -187,6 +188,12 @@ def test_bench_comm_counts_deferred_traffic(run_once):
   assert grad_bytes <= deferred["bytes_per_step"] < grad_bytes + 64
   assert len(deferred["step_ms"]["values"]) == 2
   assert "| axis_name | 3 |" in (out / "bench_comm.md").read_text()
+  # The same under plain jit with unreduced gradients; every call also
+  # all-reduces the helper's 4-byte loss.
+  unreduced = rows["jit_unreduced", 3]
+  assert unreduced["holding_bytes"] == 0 and unreduced["always_bytes"] <= 8
+  assert unreduced["emitting_bytes"] >= grad_bytes
+  assert grad_bytes <= unreduced["bytes_per_step"] < grad_bytes + 64
 
 
 @pytest.mark.parametrize("script", [*SCRIPTS, "render_readme"])
