@@ -393,3 +393,34 @@ def test_error_when_jax_lacks_the_feature(monkeypatch):
     monkeypatch.setattr(_unreduced, "is_supported", lambda: False)
     with pytest.raises(RuntimeError, match="jax 0.10.2"):
       jax.jit(tx.update)(grads, state, params)
+
+
+def test_fsdp_deferral_holds_a_full_size_accumulator_per_device():
+  """The memory cost of deferring under FSDP, from the compiled steps: each
+  device holds whole partial sums of the params sharded over "data",
+  instead of its 1/8 slice when every micro-batch is reduce-scattered."""
+  sharded = list(LAYOUTS["fsdp"][2])
+  sharded_bytes = sum(4 * _init_params()[k].size for k in sharded)
+
+  def argument_bytes(axis_type, axis_name):
+    tx = optax_accum.accumulate(optax.sgd(0.1), 4, axis_name=axis_name)
+    if axis_name:
+      grad_fn = _grad_fn(True)
+    else:  # jax.grad reduces (reduce-scatters) every micro-batch itself.
+      grad_fn = jax.value_and_grad(_token_mean, has_aux=True)
+    step = jax.jit(functools.partial(_micro_step, tx, grad_fn, True))
+    mesh = _mesh("fsdp", axis_type)
+    with jax.set_mesh(mesh):
+      params, batch = _put(mesh, "fsdp", _init_params(), _make_batch(0))
+      state = jax.jit(
+        tx.init, out_shardings=optax_accum.state_shardings(tx, params)
+      )(params)
+      compiled = step.lower(params, state, batch).compile()
+    return compiled.memory_analysis().argument_size_in_bytes
+
+  deferred = argument_bytes(AxisType.Explicit, "data")
+  per_micro_batch = argument_bytes(AxisType.Auto, None)
+  print(f"argument bytes per device: {deferred} vs {per_micro_batch}")
+  assert deferred - per_micro_batch == pytest.approx(
+    sharded_bytes * 7 / 8, rel=0.05
+  )
