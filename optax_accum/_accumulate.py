@@ -877,11 +877,20 @@ def accumulate(
       ``jnp.float64`` or ``None``. Emitted gradients keep the gradient's
       dtype.
     skip_nonfinite: Drop micro-batches with a non-finite gradient or weight.
-    axis_name: A named axis (``shard_map``, ``pmap``, ``vmap``) over which
-      the accumulated gradients and weights are summed on emitting calls
-      only. Pass each device's local, unreduced gradient: communication
-      then happens once per cycle instead of once per micro-batch. See
-      :func:`optax_accum.shard_map_specs` for the state's layout.
+    axis_name: A mesh axis (or tuple of axes) over which the accumulated
+      gradients are summed on emitting calls only: communication happens
+      once per cycle instead of once per micro-batch. Two engines, chosen
+      where ``init`` and ``update`` are traced. Where the axis is bound
+      (``shard_map``, ``pmap``, a named ``vmap``), pass each device's local
+      gradient and its own ``weight``; gradients, weights and skips are
+      summed with ``psum`` (see :func:`optax_accum.shard_map_specs` for the
+      state's layout). Under plain ``jax.jit`` (or eagerly) with a mesh set
+      by ``jax.set_mesh`` whose axis is ``AxisType.Explicit``, pass
+      gradients typed unreduced over it (from
+      :func:`optax_accum.local_value_and_grad`) and the micro-batch's global
+      ``weight``; ``init`` under that mesh gives unreduced accumulators and
+      the emitting call reduces them once, to the params' sharding. The
+      noise scale needs the first engine.
     track_noise_scale: Also estimate the gradient noise scale (a few scalars
       in the state); read it with :func:`optax_accum.noise_scale`.
     noise_scale_decay: Decay of the noise scale's moving averages, in
@@ -900,7 +909,11 @@ def accumulate(
       non-bool ``skip_nonfinite`` or ``track_noise_scale``, or
       ``noise_scale_decay``. At trace time, for gradients whose tree,
       shapes or (complex vs real) kind differ from the params, or a
-      ``weight`` or ``flush`` that is not a real or boolean scalar.
+      ``weight`` or ``flush`` that is not a real or boolean scalar; with
+      ``axis_name`` outside ``shard_map``: no mesh, an axis that is not
+      explicit, gradients or an accumulator that are not unreduced over
+      it (ValueError), a JAX without unreduced shardings (RuntimeError),
+      ``track_noise_scale`` (NotImplementedError).
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
