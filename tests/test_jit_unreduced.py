@@ -424,3 +424,35 @@ def test_fsdp_deferral_holds_a_full_size_accumulator_per_device():
   assert deferred - per_micro_batch == pytest.approx(
     sharded_bytes * 7 / 8, rel=0.05
   )
+
+
+def test_gradients_made_unreduced_by_the_user_are_accepted():
+  """A matmul-only model: `jax.grad` with respect to params resharded to
+  `reduced` over "data" gives unreduced gradients, no helper needed."""
+  inner = optax.sgd(0.1, momentum=0.9)
+  tx = optax_accum.accumulate(inner, 2, axis_name="data")
+  w0 = jax.random.normal(jax.random.key(0), (8, 3))
+  xs = [jax.random.normal(jax.random.key(i), (16, 8)) for i in (1, 2)]
+
+  def loss(w, x):
+    return jnp.mean((x @ w) ** 2)
+
+  @jax.jit
+  def step(w, state, x):
+    grads = jax.grad(loss)(jax.reshard(w, P(reduced={"data"})), x)
+    updates, state = tx.update(grads, state, w)
+    return optax.apply_updates(w, updates), state
+
+  mesh = _mesh("dp")
+  with jax.set_mesh(mesh):
+    w = jax.device_put(w0, NamedSharding(mesh, P()))
+    state = tx.init(w)
+    for x in xs:
+      w, state = step(
+        w, state, jax.device_put(x, NamedSharding(mesh, P("data")))
+      )
+  big = jnp.concatenate(xs)
+  updates, _ = inner.update(jax.grad(loss)(w0, big), inner.init(w0), w0)
+  np.testing.assert_allclose(
+    np.asarray(w), np.asarray(w0 + updates), rtol=1e-5, atol=1e-6
+  )
