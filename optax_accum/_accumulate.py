@@ -21,6 +21,11 @@ parameter-sized buffer for the updates the conditional returns. So:
 The inner optimizer still runs only in the emitting branch. The structure
 tests (``tests/test_performance_structure.py``) hold the compiled program
 to these points.
+
+With ``axis_name``, :mod:`optax_accum._engine` picks per trace how the
+accumulator is reduced: ``psum`` inside ``shard_map``, or, under plain
+``jit``, one ``jax.reshard`` of an accumulator typed unreduced over the axis
+(no buffer reuse there: the accumulator and the updates differ in type).
 """
 
 import dataclasses
