@@ -12,8 +12,10 @@ from optax_accum._every_k import grow_every_k as grow_every_k
 from optax_accum._every_k import piecewise_every_k as piecewise_every_k
 from optax_accum._layout import add_device_axis as add_device_axis
 from optax_accum._layout import drop_device_axis as drop_device_axis
+from optax_accum._layout import reduce_state as reduce_state
 from optax_accum._layout import shard_map_specs as shard_map_specs
 from optax_accum._microbatch import microbatch as microbatch
+from optax_accum._noise_scale import NoiseStats as NoiseStats
 from optax_accum._noise_scale import noise_scale as noise_scale
 from optax_accum._noise_scale import (
   noise_scale_components as noise_scale_components,
@@ -35,6 +37,7 @@ __all__ = (
   "Collective",
   "GrowState",
   "NoiseScaleState",
+  "NoiseStats",
   "accumulate",
   "add_device_axis",
   "assert_reduction_deferred",
@@ -51,6 +54,7 @@ __all__ = (
   "noise_scale",
   "noise_scale_components",
   "piecewise_every_k",
+  "reduce_state",
   "shard_map_specs",
   "state_shardings",
   "weight_seen",

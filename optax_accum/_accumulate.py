@@ -48,6 +48,7 @@ from optax_accum import (
   _vma,
   _weighting,
 )
+from optax_accum._noise_scale import NoiseStats
 from optax_accum._state import AccumulateState
 
 EveryK = int | Callable[..., Any] | _every_k.GrowEveryK
@@ -271,6 +272,42 @@ def _check_flush(flush: Any) -> jax.Array:
   return jnp.asarray(flush)
 
 
+def _check_noise_stats(
+  config: _Config, engine: _engine.Engine, noise_stats: Any
+) -> NoiseStats | None:
+  """`noise_stats` where the engine needs them; raises naming them."""
+  if noise_stats is None:
+    if engine.unreduced and config.track_noise_scale:
+      raise ValueError(
+        "`noise_stats` must be given with `track_noise_scale=True` and"
+        f" gradients unreduced over {config.axis_name!r} under plain"
+        " `jax.jit`: no norm of a device's own gradient can be taken from"
+        " an unreduced array. Make the gradients with"
+        " `optax_accum.local_value_and_grad(..., noise_stats=True)` and"
+        " pass its stats as `update(..., noise_stats=stats)`."
+      )
+    return None
+  if not config.track_noise_scale:
+    raise ValueError(
+      "`noise_stats` was given, but this accumulate was built with"
+      " `track_noise_scale=False`: build it with `track_noise_scale=True`"
+      " or leave the argument out."
+    )
+  if not engine.unreduced:
+    raise ValueError(
+      "`noise_stats` is only for gradients unreduced over `axis_name` under"
+      " plain `jax.jit`; here accumulate measures each gradient itself:"
+      " leave the argument out."
+    )
+  if not isinstance(noise_stats, NoiseStats):
+    raise TypeError(
+      "`noise_stats` must be the optax_accum.NoiseStats returned by"
+      " `local_value_and_grad(..., noise_stats=True)`, got"
+      f" {type(noise_stats).__name__}."
+    )
+  return noise_stats
+
+
 class _MicroBatch(NamedTuple):
   """One call's gradient and what the caller said about it."""
 
@@ -348,6 +385,22 @@ def _add(
     micro.accepted, micro.weight, 0.0
   )
   return acc, total_weight
+
+
+def _add_noise(
+  noise: Any, micro: _MicroBatch, stats: NoiseStats | None, fresh: jax.Array
+) -> Any:
+  """The noise-scale sums after `micro`: measured here, or by the gradient
+  helper (`stats`, unreduced engine)."""
+  if noise is None:
+    return None
+  if stats is not None:
+    return _noise_scale.add_stats(
+      noise, stats, micro.weight, micro.accepted, fresh
+    )
+  return _noise_scale.add_micro_batch(
+    noise, micro.grads, micro.weight, micro.accepted, fresh
+  )
 
 
 def _enters_emitting_branch(
@@ -641,11 +694,14 @@ def _inner_alone(inner, grads, state, params, extra_args):
   )
 
 
-def _passes_through(config: _Config, weight: Any, flush: Any) -> bool:
+def _passes_through(
+  config: _Config, weight: Any, flush: Any, noise_stats: Any
+) -> bool:
   return (
     config.every_k.fixed == 1
     and weight is None
     and flush is False
+    and noise_stats is None
     and not config.skip_nonfinite
     and config.axis_name is None
   )
@@ -695,21 +751,27 @@ def _update(
   *,
   weight: Any = None,
   flush: Any = False,
+  noise_stats: NoiseStats | None = None,
   **extra_args: Any,
 ) -> tuple[optax.Updates, AccumulateState]:
   _check_state(state, config.track_noise_scale)
   _check_grads_match(updates, state.acc_grads)
   inner = config.inner(state.every_k)
-  if _passes_through(config, weight, flush):
+  if _passes_through(config, weight, flush, noise_stats):
     return _inner_alone(inner, updates, state, params, extra_args)
 
-  engine = _engine.for_update(
-    config.axis_name, updates, state.acc_grads, config.track_noise_scale
-  )
+  engine = _engine.for_update(config.axis_name, updates, state.acc_grads)
+  noise_stats = _check_noise_stats(config, engine, noise_stats)
   if engine.unreduced and not _is_traced(updates):
     # Eager ops on unreduced arrays fail (jax 0.10.2): run the step jitted.
     return _jitted_update(config)(
-      updates, state, params, weight=weight, flush=flush, **extra_args
+      updates,
+      state,
+      params,
+      weight=weight,
+      flush=flush,
+      noise_stats=noise_stats,
+      **extra_args,
     )
   micro = _accept(config, engine, updates, weight, flush)
   fresh = state.micro_step == 0
@@ -722,11 +784,7 @@ def _update(
     config.skip_nonfinite,
   )
   micro_step = state.micro_step + micro.accepted.astype(jnp.int32)
-  noise = state.noise
-  if noise is not None:
-    noise = _noise_scale.add_micro_batch(
-      noise, updates, micro.weight, micro.accepted, fresh
-    )
+  noise = _add_noise(state.noise, micro, noise_stats, fresh)
 
   cycle_end = (micro_step >= state.every_k) | micro.flush
   enter = _enters_emitting_branch(cycle_end, micro_step, total_weight, engine)
@@ -776,8 +834,6 @@ def _update(
 
 def _init(config: _Config, params: optax.Params) -> AccumulateState:
   engine = _engine.for_init(config.axis_name, params)
-  if engine.unreduced and config.track_noise_scale:
-    _engine.refuse_noise_scale(config.axis_name)
   zeros = functools.partial(
     _zeros_like_param,
     accumulator_dtype=config.accumulator_dtype,
@@ -894,17 +950,20 @@ def accumulate(
       gradients typed unreduced over it (from
       :func:`optax_accum.local_value_and_grad`) and the micro-batch's global
       ``weight``; ``init`` under that mesh gives unreduced accumulators and
-      the emitting call reduces them once, to the params' sharding. The
-      noise scale needs the first engine.
+      the emitting call reduces them once, to the params' sharding.
     track_noise_scale: Also estimate the gradient noise scale (a few scalars
-      in the state); read it with :func:`optax_accum.noise_scale`.
+      in the state); read it with :func:`optax_accum.noise_scale`. With
+      gradients unreduced under plain ``jit``, each ``update`` also needs
+      the ``noise_stats=`` that ``local_value_and_grad(...,
+      noise_stats=True)`` returns with them.
     noise_scale_decay: Decay of the noise scale's moving averages, in
       [0, 1).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` is
     ``update(updates, state, params=None, *, weight=None, flush=False,
-    **extra_args)`` and whose state is an :class:`AccumulateState`.
+    noise_stats=None, **extra_args)`` and whose state is an
+    :class:`AccumulateState`.
 
   Raises:
     TypeError, ValueError: At construction, for an ``inner`` that is not a
@@ -917,8 +976,9 @@ def accumulate(
       ``weight`` or ``flush`` that is not a real or boolean scalar; with
       ``axis_name`` outside ``shard_map``: no mesh, an axis that is not
       explicit, gradients or an accumulator that are not unreduced over
-      it (ValueError), a JAX without unreduced shardings (RuntimeError),
-      ``track_noise_scale`` (NotImplementedError).
+      it (ValueError), a JAX without unreduced shardings (RuntimeError);
+      ``noise_stats`` missing where it is needed, given where it is not, or
+      not a :class:`NoiseStats`.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum

@@ -110,10 +110,7 @@ def for_init(axis_name: Hashable | None, params: Any) -> Engine:
 
 
 def for_update(
-  axis_name: Hashable | None,
-  grads: Any,
-  acc_grads: Any,
-  track_noise_scale: bool,
+  axis_name: Hashable | None, grads: Any, acc_grads: Any
 ) -> Engine:
   """The engine of an ``update``; raises if the unreduced engine cannot run.
 
@@ -121,7 +118,6 @@ def for_update(
     RuntimeError: If JAX lacks unreduced shardings.
     ValueError: If there is no mesh, the axis is not explicit on it, or
       `grads` or the state's accumulator are not unreduced over it.
-    NotImplementedError: For the noise scale with the unreduced engine.
   """
   if axis_name is None:
     return Engine(LOCAL, None)
@@ -147,18 +143,4 @@ def for_update(
       " or with params placed on it, so that `init` builds unreduced"
       " accumulators; `optax_accum.state_shardings` gives their shardings."
     ) from None
-  if track_noise_scale:
-    refuse_noise_scale(axis_name)
   return Engine(UNREDUCED, axis_name)
-
-
-def refuse_noise_scale(axis_name: Hashable) -> None:
-  """Raises: the unreduced engine cannot estimate the noise scale."""
-  raise NotImplementedError(
-    "`track_noise_scale=True` with gradients unreduced over"
-    f" {axis_name!r} under plain `jax.jit` is not supported: the noise"
-    " scale needs each device's squared gradient norm, which is not a"
-    " linear function of an unreduced array (jax has no unreduced ->"
-    " varying cast). Track it with `axis_name=` inside `jax.shard_map`,"
-    " or without `axis_name` on reduced gradients."
-  )

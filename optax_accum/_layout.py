@@ -1,4 +1,4 @@
-"""The layout of an :class:`AccumulateState` across ``shard_map``.
+"""The layouts of an :class:`AccumulateState` across devices.
 
 With ``accumulate(..., axis_name=...)`` inside ``jax.shard_map``, some leaves
 of the state hold each device's own, unreduced sums during a cycle (the
@@ -8,14 +8,20 @@ global arrays, so the device-local leaves get a leading device axis
 (spec ``P(axis_name)``) and the rest is replicated (spec ``P()``). These
 functions give the specs and convert between the two layouts, so that no
 caller has to know which fields are which.
+
+Under plain ``jit`` (the unreduced engine) the accumulator is typed unreduced
+over the data axis, which JAX cannot copy to the host and Orbax cannot save;
+:func:`reduce_state` gives the state a checkpoint can hold.
 """
 
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from optax_accum import _unreduced
 from optax_accum._state import (
   DEVICE_LOCAL_FIELDS,
   AccumulateState,
@@ -121,3 +127,64 @@ def drop_device_axis(opt_state: Any) -> Any:
     The same tree, each device-local leaf ``x`` replaced by ``x[0]``.
   """
   return _map_device_local(opt_state, lambda x: x[0])
+
+
+def _reduced_leaf(x: Any) -> Any:
+  """`x` summed over the axes it is unreduced over; other leaves as given."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    sharding = x.sharding
+    if not isinstance(sharding, NamedSharding) or not sharding.spec.unreduced:
+      return x
+    spec = _unreduced.reduced_spec(x, tuple(sharding.spec.unreduced))
+    return jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(sharding.mesh, spec)
+    )
+  if not isinstance(x, jax.Array):
+    return x
+  axes = tuple(getattr(_unreduced.spec_of(x), "unreduced", ()))
+  if not axes:
+    return x
+  spec = _unreduced.reduced_spec(x, axes)
+  if isinstance(x, jax.core.Tracer):
+    return jax.reshard(x, spec)
+  return jax.reshard(x, NamedSharding(x.sharding.mesh, spec))
+
+
+def reduce_state(opt_state: Any) -> Any:
+  r"""Sums every leaf typed unreduced, so the state can be saved.
+
+  With ``accumulate(..., axis_name=...)`` under plain ``jit`` the
+  accumulator holds each device's partial sum, typed unreduced over the
+  data axis; on jax 0.10.2 such an array cannot be copied to the host and
+  Orbax refuses to save it. This returns the same state with each such leaf
+  replaced by its sum over the devices (one all-reduce per leaf), laid out
+  like the params. To go on from it, put it back with the state's own
+  shardings: ``jax.device_put(restored, optax_accum.state_shardings(tx,
+  params))`` places the whole sum on the first device of the data axis and
+  zeros on the others (no communication).
+
+  The resumed run gives the uninterrupted run's updates up to float
+  rounding: the saved sum is added to the later micro-batches in another
+  order. Any other state passes through unchanged.
+
+  Args:
+    opt_state: An optimizer state (arrays, under ``jit`` or not) or its
+      ``jax.ShapeDtypeStruct``\s, whose shardings are then changed alike.
+
+  Returns:
+    The same tree, every leaf typed unreduced replaced by its sum.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, optax_accum
+    >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",),
+    ...                      axis_types=(AxisType.Explicit,))
+    >>> tx = optax_accum.accumulate(optax.sgd(0.1), 4, axis_name="data")
+    >>> params = jax.device_put(jnp.zeros(3), NamedSharding(mesh, P()))
+    >>> state = tx.init(params)
+    >>> print(jax.typeof(state.acc_grads))
+    float32[3]{U:data}
+    >>> print(jax.typeof(optax_accum.reduce_state(state).acc_grads))
+    float32[3]
+  """
+  return jax.tree.map(_reduced_leaf, opt_state)

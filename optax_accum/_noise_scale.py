@@ -22,15 +22,47 @@ and the unbiased per-cycle estimates are
 
 Each is smoothed by its own exponential moving average and only the smoothed
 values are divided: :math:`B_\\text{simple} = \\mathrm{tr}(\\Sigma) / |G|^2`.
+
+With ``axis_name`` every device's share of a micro-batch is one of the
+:math:`m` samples. Inside ``shard_map`` each device measures its own
+:math:`w_d |g_d|^2`. Under plain ``jit`` the accumulator only sees gradients
+typed unreduced, on which no norm can be taken, so
+:func:`optax_accum.local_value_and_grad` measures the shares where they are
+known and hands their sums over as :class:`NoiseStats`. A micro-batch given
+weight :math:`w` whose shares carry :math:`n_d` (:math:`\\sum_d n_d = N`) has
+its shares weighted :math:`w\\, n_d / N`, so that the sample weights add up
+to the accumulator's :math:`W` whatever unit ``weight`` is in.
 """
 
 import numbers
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from optax_accum._state import NoiseScaleState, find_state
+
+
+class NoiseStats(NamedTuple):
+  """One micro-batch's noise-scale sums over the devices' shares of it.
+
+  Made by ``optax_accum.local_value_and_grad(..., noise_stats=True)`` and
+  passed on as ``update(..., noise_stats=stats)`` to
+  ``accumulate(..., axis_name=..., track_noise_scale=True)`` under plain
+  ``jit``, where the accumulator cannot take the norm of a device's gradient
+  itself. Every field is the same on every device.
+
+  Attributes:
+    sq_norm_sum: ``float32[]``. :math:`\\sum_d n_d |g_d|^2` over the devices,
+      with :math:`g_d` the gradient of device :math:`d`'s own mean loss and
+      :math:`n_d` its weight (its token count, or 1 without weights).
+    weight: ``float32[]``. :math:`N = \\sum_d n_d`.
+    count: ``int32[]``. Devices with :math:`n_d > 0`.
+  """
+
+  sq_norm_sum: jax.Array  # float32[]
+  weight: jax.Array  # float32[]
+  count: jax.Array  # int32[]
 
 
 def check_decay(decay: Any) -> float:
@@ -80,6 +112,24 @@ def add_micro_batch(
     sq_norm_sum=jnp.where(fresh, 0.0, noise.sq_norm_sum)
     + jnp.where(counted, weight * sq_norm(grads), 0.0),
     count=jnp.where(fresh, 0, noise.count) + counted.astype(jnp.int32),
+  )
+
+
+def add_stats(
+  noise: NoiseScaleState,
+  stats: NoiseStats,
+  weight: jax.Array,
+  accepted: jax.Array,
+  fresh: jax.Array,
+) -> NoiseScaleState:
+  """Adds one micro-batch measured per device (see :class:`NoiseStats`),
+  its shares reweighted to add up to `weight`."""
+  counted = accepted & (weight > 0) & (stats.weight > 0)
+  share = weight / jnp.where(stats.weight > 0, stats.weight, 1.0)
+  return noise._replace(
+    sq_norm_sum=jnp.where(fresh, 0.0, noise.sq_norm_sum)
+    + jnp.where(counted, share * stats.sq_norm_sum, 0.0),
+    count=jnp.where(fresh, 0, noise.count) + jnp.where(counted, stats.count, 0),
   )
 
 

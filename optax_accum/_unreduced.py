@@ -33,6 +33,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from optax_accum import _checks, _noise_scale
+
 AxisName = Hashable
 
 
@@ -328,6 +330,7 @@ def local_value_and_grad(
   has_weight: bool = False,
   has_aux: bool = False,
   in_specs: Sequence[Any] | None = None,
+  noise_stats: bool = False,
 ) -> Callable[..., Any]:
   r"""Like ``jax.value_and_grad(fun)``, but each device's gradient is left
   unreduced over `axis_name`: no communication of parameter size.
@@ -368,6 +371,11 @@ def local_value_and_grad(
       ``params``, one prefix per argument; by default each is split over
       `axis_name` on its leading axis. Use ``P()`` for an argument every
       device gets whole (a step count, a shared key).
+    noise_stats: Whether to also return the
+      :class:`~optax_accum.NoiseStats` of the micro-batch, for
+      ``accumulate(..., track_noise_scale=True)``: each device measures
+      :math:`n_d |\nabla \ell_d|^2`, a pass over its gradient, and the
+      sums join the loss's all-reduce.
 
   Returns:
     ``value_and_grad(params, *args) -> (value, grads)``, where `value` has
@@ -376,6 +384,8 @@ def local_value_and_grad(
     one entry per device, split over `axis_name`. `grads` has the structure
     and, over the other mesh axes, the sharding of `params`, typed unreduced
     over `axis_name`. One scalar all-reduce (loss and weight) is done.
+    With ``noise_stats=True``, ``(value, grads, stats)``: pass ``stats`` on
+    as ``update(..., noise_stats=stats)``.
 
   Raises:
     RuntimeError, ValueError: When called, if JAX lacks unreduced shardings
@@ -384,6 +394,9 @@ def local_value_and_grad(
   """
   if not callable(fun):
     raise TypeError(f"`fun` must be callable, got {fun!r}.")
+  has_weight = _checks.boolean(has_weight, "has_weight")
+  has_aux = _checks.boolean(has_aux, "has_aux")
+  noise_stats = _checks.boolean(noise_stats, "noise_stats")
   axes = _axes(axis_name)
 
   def value_and_grad(params: Any, *args: Any) -> Any:
@@ -419,7 +432,12 @@ def local_value_and_grad(
       weight = lax.stop_gradient(jnp.asarray(weight, jnp.float32))
       empty = weight == 0
       loss32 = jnp.where(empty, 0.0, jnp.asarray(loss, jnp.float32))
-      loss_sum, total = lax.psum((weight * loss32, weight), axis_name)
+      sums = (weight * loss32, weight)
+      if noise_stats:  # This device's share, measured before scaling.
+        sq = jnp.where(empty, 0.0, weight * _noise_scale.sq_norm(grads))
+        sums += (sq, jnp.where(empty, 0.0, 1.0))
+      # Scalars only, in one all-reduce.
+      loss_sum, total, *noise = lax.psum(sums, axis_name)
       share = jnp.where(
         total == 0, 0.0, weight / jnp.where(total == 0, 1, total)
       )
@@ -435,15 +453,22 @@ def local_value_and_grad(
       mean_loss = mean_loss.astype(jnp.result_type(loss))
       value = (mean_loss, total) if has_weight else mean_loss
       aux = jax.tree.map(lambda a: jnp.asarray(a)[None], aux)
-      return (value, aux), grads
+      stats = None
+      if noise_stats:
+        sq_sum, count = noise
+        stats = _noise_scale.NoiseStats(sq_sum, total, count.astype(jnp.int32))
+      return (value, aux, stats), grads
 
-    (value, aux), stacked = jax.shard_map(
+    (value, aux, stats), stacked = jax.shard_map(
       per_device,
       in_specs=(P(),) + specs,
-      out_specs=((P(), P(axis_name)), P(axis_name)),
+      out_specs=((P(), P(axis_name), P()), P(axis_name)),
       axis_names=frozenset(axes),
     )(params, *args)
     grads = from_per_device(stacked, axis_name)
-    return ((value, aux) if has_aux else value), grads
+    value = (value, aux) if has_aux else value
+    if noise_stats:
+      return value, grads, stats
+    return value, grads
 
   return value_and_grad

@@ -373,17 +373,6 @@ def test_error_when_the_state_was_made_off_the_mesh():
       jax.jit(tx.update)(grads, state, params)
 
 
-def test_error_for_the_noise_scale():
-  tx = optax_accum.accumulate(
-    optax.sgd(0.1), 2, axis_name="data", track_noise_scale=True
-  )
-  mesh = _mesh("dp")
-  with jax.set_mesh(mesh):
-    params, _ = _put(mesh, "dp", _init_params(), _make_batch(0))
-    with pytest.raises(NotImplementedError, match="track_noise_scale"):
-      tx.init(params)
-
-
 def test_error_when_jax_lacks_the_feature(monkeypatch):
   tx = optax_accum.accumulate(optax.sgd(0.1), 2, axis_name="data")
   mesh = _mesh("dp")
@@ -456,3 +445,70 @@ def test_gradients_made_unreduced_by_the_user_are_accepted():
   np.testing.assert_allclose(
     np.asarray(w), np.asarray(w0 + updates), rtol=1e-5, atol=1e-6
   )
+
+
+# ----------------------------------------------------------------------------
+# Checkpoints.
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["dp", "tp"])
+def test_a_checkpoint_mid_cycle_resumes_the_run(layout, tmp_path):
+  """Saved with `reduce_state` one micro-batch into the second cycle,
+  restored with `jax.device_put` to `state_shardings`: the run goes on as
+  if never stopped, up to float rounding."""
+  import orbax.checkpoint as ocp
+
+  inner = optax.adam(1e-2)
+  tx = optax_accum.accumulate(inner, K, axis_name="data")
+  grad_fn = jax.jit(_grad_fn(True))
+  step = jax.jit(functools.partial(_micro_step, tx, grad_fn, True))
+  batches = [_make_batch(60 + i) for i in range(2 * K)]
+  mesh = _mesh(layout)
+  data = NamedSharding(mesh, P("data"))
+  with jax.set_mesh(mesh):
+    params, _ = _put(mesh, layout, _init_params(), batches[0])
+    state = tx.init(params)
+    for batch in batches[: K + 1]:
+      params, state = step(params, state, jax.device_put(batch, data))
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(tmp_path / "state", optax_accum.reduce_state(state))
+      checkpointer.wait_until_finished()
+      restored = checkpointer.restore(
+        tmp_path / "state", optax_accum.reduce_state(tx.init(params))
+      )
+    restored = jax.device_put(restored, optax_accum.state_shardings(tx, params))
+    assert _unreduced.is_unreduced(restored.acc_grads["w"])
+    assert int(restored.micro_step) == 1
+    resumed = params
+    for batch in batches[K + 1 :]:
+      batch = jax.device_put(batch, data)
+      params, state = step(params, state, batch)
+      resumed, restored = step(resumed, restored, batch)
+  _close(resumed, params)
+  _close(resumed, _big_batch(inner, batches, True, [range(K), range(K, 2 * K)]))
+  assert int(restored.step) == 2
+
+
+def test_reduce_state_under_jit_on_shapes_and_elsewhere():
+  tx = optax_accum.accumulate(optax.sgd(0.1), 2, axis_name="data")
+  mesh = _mesh("tp")
+  with jax.set_mesh(mesh):
+    params, _ = _put(mesh, "tp", _init_params(), _make_batch(0))
+    state = tx.init(params)
+    traced = jax.jit(optax_accum.reduce_state)(state)
+    shapes = optax_accum.reduce_state(jax.eval_shape(tx.init, params))
+  for reduced in (traced.acc_grads, shapes.acc_grads):
+    for key, leaf in reduced.items():
+      assert not _unreduced.is_unreduced(leaf), key
+      assert _dims(leaf.sharding.spec) == _dims(
+        jax.typeof(params[key]).sharding.spec
+      )
+  local = optax_accum.accumulate(optax.sgd(0.1), 2).init(_init_params())
+  assert optax_accum.reduce_state(local) is not local
+  for a, b in zip(
+    jax.tree.leaves(optax_accum.reduce_state(local)),
+    jax.tree.leaves(local),
+    strict=True,
+  ):
+    assert a is b
