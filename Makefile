@@ -18,8 +18,13 @@ lint: $(STAMP)
 	$(PY) -m ruff check optax_accum tests examples benchmarks
 	$(PY) -m ruff format --check optax_accum tests examples benchmarks
 
+# Two workers: the CI machine has 2 cores and the suite is mostly
+# single-threaded compiles. loadscope keeps a module's tests (and its
+# module-scoped fixtures, e.g. the multi-process run) on one worker.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope
 
 demo: $(STAMP)
 	$(PY) examples/lm/main.py

@@ -16,28 +16,20 @@ emitting calls pay::
   python examples/scaling_jit_unreduced.py [--steps 3] [--every-k 4]
 """
 
-import os
+import argparse
+from collections.abc import Sequence
 
-# Before JAX starts: 8 simulated devices unless the caller chose a count.
-if "xla_force_host_platform_device_count" not in os.environ.get(
-  "XLA_FLAGS", ""
-):
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8"
-  ).strip()
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import argparse  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
+import optax_accum
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import optax_accum  # noqa: E402
+# 8 simulated CPU devices; JAX starts its backend at the first operation.
+jax.config.update("jax_num_cpu_devices", 8)
 
 AXIS = "data"
 VOCAB, DIM, OUT, SEQ = 32, 16, 4, 6
