@@ -16,7 +16,8 @@ every micro-batch), ``k`` micro-batches per optimizer step, four recipes:
   ``AxisType.Explicit``; ``optax_accum.local_value_and_grad`` gives each
   device's gradient typed unreduced over ``data`` and the same
   ``accumulate(inner, k, axis_name="data")`` reduces once per step, in the
-  emitting branch. The helper also all-reduces the 4-byte loss every call.
+  emitting branch. The helper also all-reduces the loss and the token
+  count (8 bytes) every call: the all-reduces under 1 KiB are counted apart.
 
 Bytes come from the compiled micro-step, read by
 ``optax_accum._collectives.collectives``: each all-reduce's payload (bytes
@@ -226,18 +227,17 @@ def make_recipe(recipe: str, k: int, problem: Problem):
 # ----------------------------------------------------------------------------
 
 
+# All-reduces below this payload are scalars (a loss, a token count, a
+# finiteness flag), not gradients: counted apart.
+SMALL_BYTES = 1024
+
+
 def traffic(compiled: Any, k: int) -> dict[str, int]:
   """All-reduce ops and payload bytes per optimizer step of `k` calls."""
+  places = ("always", "emitting", "holding")
   out = dict.fromkeys(
-    (
-      "always_ops",
-      "always_bytes",
-      "emitting_ops",
-      "emitting_bytes",
-      "holding_ops",
-      "holding_bytes",
-      "other_collective_ops",
-    ),
+    [f"{w}_{what}" for w in places for what in ("ops", "bytes", "small_ops")]
+    + ["other_collective_ops"],
     0,
   )
   for c in collectives(compiled):
@@ -249,10 +249,20 @@ def traffic(compiled: Any, k: int) -> dict[str, int]:
     )
     out[f"{where}_ops"] += 1
     out[f"{where}_bytes"] += c.bytes
+    out[f"{where}_small_ops"] += c.bytes < SMALL_BYTES
   calls = {"always": k, "emitting": 1, "holding": k - 1}
-  out["ops_per_step"] = sum(n * out[f"{w}_ops"] for w, n in calls.items())
-  out["bytes_per_step"] = sum(n * out[f"{w}_bytes"] for w, n in calls.items())
+  for total in ("ops", "bytes", "small_ops"):
+    out[f"{total}_per_step"] = sum(
+      n * out[f"{w}_{total}"] for w, n in calls.items()
+    )
   return out
+
+
+def op_count(row: dict[str, Any]) -> str:
+  """All-reduces per step, those under 1 KiB apart: "1 + 16 tiny"."""
+  small = row.get("small_ops_per_step", 0)
+  large = row["ops_per_step"] - small
+  return f"{large} + {small} tiny" if small else str(large)
 
 
 def measure_k(
@@ -266,6 +276,7 @@ def measure_k(
     with jax.set_mesh(mesh):
       compiled = step.lower(params, state, *batches[recipe][0]).compile()
     rows[recipe] = {"recipe": recipe, "k": k, **traffic(compiled, k)}
+    rows[recipe]["ops_label"] = op_count(rows[recipe])
     runs[recipe] = [compiled, params, state]
     advance()
 
@@ -333,7 +344,7 @@ def table_rows(payload: dict[str, Any]) -> list[list[str]]:
     [
       r["recipe"],
       str(r["k"]),
-      str(r["ops_per_step"]),
+      r["ops_label"],
       fmt(r["bytes_per_step"] / MB, 2),
       fmt(r["bytes_ratio_vs_baseline"], 2),
       fmt_spread(r["step_ms"], 1),

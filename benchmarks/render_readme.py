@@ -124,7 +124,7 @@ def bench_comm(payload: dict[str, Any]) -> str:
     [
       r["recipe"],
       str(r["k"]),
-      str(r["ops_per_step"]),
+      r["ops_label"],
       f"{r['bytes_per_step'] / MB:.2f}",
       _spread(r["step_ms"], 1),
       _spread(r["time_ratio_vs_baseline"]),
