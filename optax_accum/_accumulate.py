@@ -756,12 +756,12 @@ def _update(
 ) -> tuple[optax.Updates, AccumulateState]:
   _check_state(state, config.track_noise_scale)
   _check_grads_match(updates, state.acc_grads)
+  engine = _engine.for_update(config.axis_name, updates, state.acc_grads)
+  noise_stats = _check_noise_stats(config, engine, noise_stats)
   inner = config.inner(state.every_k)
   if _passes_through(config, weight, flush, noise_stats):
     return _inner_alone(inner, updates, state, params, extra_args)
 
-  engine = _engine.for_update(config.axis_name, updates, state.acc_grads)
-  noise_stats = _check_noise_stats(config, engine, noise_stats)
   if engine.unreduced and not _is_traced(updates):
     # Eager ops on unreduced arrays fail (jax 0.10.2): run the step jitted.
     return _jitted_update(config)(

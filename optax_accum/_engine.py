@@ -117,9 +117,11 @@ def for_update(
   Raises:
     RuntimeError: If JAX lacks unreduced shardings.
     ValueError: If there is no mesh, the axis is not explicit on it, or
-      `grads` or the state's accumulator are not unreduced over it.
+      `grads` or the state's accumulator are not unreduced over it; without
+      `axis_name`, if `grads` are unreduced.
   """
   if axis_name is None:
+    _refuse_unreduced(grads)
     return Engine(LOCAL, None)
   if is_bound(axis_name):
     return Engine(SHARD_MAP, axis_name)
@@ -144,3 +146,20 @@ def for_update(
       " accumulators; `optax_accum.state_shardings` gives their shardings."
     ) from None
   return Engine(UNREDUCED, axis_name)
+
+
+def _refuse_unreduced(grads: Any) -> None:
+  """Raises if a gradient is unreduced while no `axis_name` says over what
+  to sum it (JAX's own error names neither the cause nor the fix)."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    axes = getattr(_unreduced.spec_of(leaf), "unreduced", None)
+    if axes:
+      names = tuple(sorted(axes))
+      name = names[0] if len(names) == 1 else names
+      raise ValueError(
+        f"`updates` leaf {jax.tree_util.keystr(path) or '<root>'} is typed"
+        f" unreduced over {name!r} (each device's partial sum, e.g. from"
+        " `optax_accum.local_value_and_grad`), but this accumulate has no"
+        f" `axis_name`: build it with `axis_name={name!r}` so that it sums"
+        " them once per cycle."
+      )

@@ -373,6 +373,19 @@ def test_error_when_the_state_was_made_off_the_mesh():
       jax.jit(tx.update)(grads, state, params)
 
 
+@pytest.mark.parametrize("every_k", [1, 3])
+def test_error_when_unreduced_gradients_meet_no_axis_name(every_k):
+  """The likely slip: the helper's gradients, `axis_name` forgotten (k = 1
+  included, where `update` would otherwise hand them to `inner` as is)."""
+  tx = optax_accum.accumulate(optax.adam(1e-2), every_k)
+  mesh = _mesh("dp")
+  params, grads = _unreduced_grads(mesh)
+  with jax.set_mesh(mesh):
+    state = tx.init(params)
+    with pytest.raises(ValueError, match="build it with `axis_name='data'`"):
+      jax.jit(tx.update)(grads, state, params)
+
+
 def test_error_when_jax_lacks_the_feature(monkeypatch):
   tx = optax_accum.accumulate(optax.sgd(0.1), 2, axis_name="data")
   mesh = _mesh("dp")
