@@ -385,7 +385,8 @@ def local_value_and_grad(
     and, over the other mesh axes, the sharding of `params`, typed unreduced
     over `axis_name`. One scalar all-reduce (loss and weight) is done.
     With ``noise_stats=True``, ``(value, grads, stats)``: pass ``stats`` on
-    as ``update(..., noise_stats=stats)``.
+    as ``update(..., noise_stats=stats)``. Called outside ``jit`` it runs
+    itself under ``jax.jit`` (compiled once per argument types).
 
   Raises:
     RuntimeError, ValueError: When called, if JAX lacks unreduced shardings
