@@ -281,8 +281,8 @@ def _check_noise_stats(
       raise ValueError(
         "`noise_stats` must be given with `track_noise_scale=True` and"
         f" gradients unreduced over {config.axis_name!r} under plain"
-        " `jax.jit`: no norm of a device's own gradient can be taken from"
-        " an unreduced array. Make the gradients with"
+        " `jax.jit`: the unreduced gradient hides each device's own"
+        " gradient and token count. Make the gradients with"
         " `optax_accum.local_value_and_grad(..., noise_stats=True)` and"
         " pass its stats as `update(..., noise_stats=stats)`."
       )

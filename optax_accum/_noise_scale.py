@@ -25,13 +25,14 @@ values are divided: :math:`B_\\text{simple} = \\mathrm{tr}(\\Sigma) / |G|^2`.
 
 With ``axis_name`` every device's share of a micro-batch is one of the
 :math:`m` samples. Inside ``shard_map`` each device measures its own
-:math:`w_d |g_d|^2`. Under plain ``jit`` the accumulator only sees gradients
-typed unreduced, on which no norm can be taken, so
-:func:`optax_accum.local_value_and_grad` measures the shares where they are
-known and hands their sums over as :class:`NoiseStats`. A micro-batch given
-weight :math:`w` whose shares carry :math:`n_d` (:math:`\\sum_d n_d = N`) has
-its shares weighted :math:`w\\, n_d / N`, so that the sample weights add up
-to the accumulator's :math:`W` whatever unit ``weight`` is in.
+:math:`w_d |g_d|^2`. Under plain ``jit`` the accumulator only sees each
+device's :math:`(n_d / N)\\, g_d` inside a gradient typed unreduced, never
+:math:`n_d`, so :func:`optax_accum.local_value_and_grad` measures the
+shares where they are known and hands their sums over as
+:class:`NoiseStats`. A micro-batch given weight :math:`w` whose shares carry
+:math:`n_d` (:math:`\\sum_d n_d = N`) has its shares weighted
+:math:`w\\, n_d / N`, so that the sample weights add up to the
+accumulator's :math:`W` whatever unit ``weight`` is in.
 """
 
 import numbers
@@ -49,8 +50,8 @@ class NoiseStats(NamedTuple):
   Made by ``optax_accum.local_value_and_grad(..., noise_stats=True)`` and
   passed on as ``update(..., noise_stats=stats)`` to
   ``accumulate(..., axis_name=..., track_noise_scale=True)`` under plain
-  ``jit``, where the accumulator cannot take the norm of a device's gradient
-  itself. Every field is the same on every device.
+  ``jit``, where the accumulator sees neither a device's own gradient nor
+  its weight. Every field is the same on every device.
 
   Attributes:
     sq_norm_sum: ``float32[]``. :math:`\\sum_d n_d |g_d|^2` over the devices,
