@@ -694,14 +694,11 @@ def _inner_alone(inner, grads, state, params, extra_args):
   )
 
 
-def _passes_through(
-  config: _Config, weight: Any, flush: Any, noise_stats: Any
-) -> bool:
+def _passes_through(config: _Config, weight: Any, flush: Any) -> bool:
   return (
     config.every_k.fixed == 1
     and weight is None
     and flush is False
-    and noise_stats is None
     and not config.skip_nonfinite
     and config.axis_name is None
   )
@@ -759,7 +756,7 @@ def _update(
   engine = _engine.for_update(config.axis_name, updates, state.acc_grads)
   noise_stats = _check_noise_stats(config, engine, noise_stats)
   inner = config.inner(state.every_k)
-  if _passes_through(config, weight, flush, noise_stats):
+  if _passes_through(config, weight, flush):
     return _inner_alone(inner, updates, state, params, extra_args)
 
   if engine.unreduced and not _is_traced(updates):
