@@ -761,14 +761,9 @@ def _update(
 
   if engine.unreduced and not _is_traced(updates):
     # Eager ops on unreduced arrays fail (jax 0.10.2): run the step jitted.
+    options = dict(weight=weight, flush=flush, noise_stats=noise_stats)
     return _jitted_update(config)(
-      updates,
-      state,
-      params,
-      weight=weight,
-      flush=flush,
-      noise_stats=noise_stats,
-      **extra_args,
+      updates, state, params, **options, **extra_args
     )
   micro = _accept(config, engine, updates, weight, flush)
   fresh = state.micro_step == 0
