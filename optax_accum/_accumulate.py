@@ -731,10 +731,6 @@ def _next_cycle(
   return weight_seen, k, grow
 
 
-def _is_traced(tree: Any) -> bool:
-  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
-
-
 @functools.cache
 def _jitted_update(config: _Config) -> Callable[..., Any]:
   return jax.jit(functools.partial(_update, config))
@@ -759,7 +755,7 @@ def _update(
   if _passes_through(config, weight, flush):
     return _inner_alone(inner, updates, state, params, extra_args)
 
-  if engine.unreduced and not _is_traced(updates):
+  if engine.unreduced and not _checks.is_traced(updates):
     # Eager ops on unreduced arrays fail (jax 0.10.2): run the step jitted.
     options = dict(weight=weight, flush=flush, noise_stats=noise_stats)
     return _jitted_update(config)(

@@ -118,3 +118,8 @@ def real_scalar(value: Any, subject: str, what: str = "") -> jax.Array:
   ):
     raise TypeError(f"{subject} a real number, got a value of dtype {x.dtype}.")
   return x
+
+
+def is_traced(tree: Any) -> bool:
+  """Whether any leaf of `tree` is a tracer (we are inside a transformation)."""
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))

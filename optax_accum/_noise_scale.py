@@ -109,11 +109,7 @@ def add_micro_batch(
 ) -> NoiseScaleState:
   """Adds one micro-batch to the cycle's sums (a fresh cycle starts at 0)."""
   counted = accepted & (weight > 0)
-  return noise._replace(
-    sq_norm_sum=jnp.where(fresh, 0.0, noise.sq_norm_sum)
-    + jnp.where(counted, weight * sq_norm(grads), 0.0),
-    count=jnp.where(fresh, 0, noise.count) + counted.astype(jnp.int32),
-  )
+  return _add_samples(noise, fresh, counted, weight * sq_norm(grads), 1)
 
 
 def add_stats(
@@ -127,10 +123,25 @@ def add_stats(
   its shares reweighted to add up to `weight`."""
   counted = accepted & (weight > 0) & (stats.weight > 0)
   share = weight / jnp.where(stats.weight > 0, stats.weight, 1.0)
+  return _add_samples(
+    noise, fresh, counted, share * stats.sq_norm_sum, stats.count
+  )
+
+
+def _add_samples(
+  noise: NoiseScaleState,
+  fresh: jax.Array,
+  counted: jax.Array,
+  sq_norm_sum: jax.Array,
+  count: Any,
+) -> NoiseScaleState:
+  """The cycle's sums plus `count` samples whose weighted squared norms add
+  up to `sq_norm_sum`, if `counted` (a fresh cycle starts at 0)."""
   return noise._replace(
     sq_norm_sum=jnp.where(fresh, 0.0, noise.sq_norm_sum)
-    + jnp.where(counted, share * stats.sq_norm_sum, 0.0),
-    count=jnp.where(fresh, 0, noise.count) + jnp.where(counted, stats.count, 0),
+    + jnp.where(counted, sq_norm_sum, 0.0),
+    count=jnp.where(fresh, 0, noise.count)
+    + jnp.where(counted, count, 0).astype(noise.count.dtype),
   )
 
 

@@ -475,7 +475,7 @@ def local_value_and_grad(
   jitted = jax.jit(value_and_grad)
 
   def call(params: Any, *args: Any) -> Any:
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+    if _checks.is_traced(params):
       return value_and_grad(params, *args)
     # Eagerly, shard_map would dispatch op by op on every device: the same
     # computation, compiled once.
