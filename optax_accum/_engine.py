@@ -152,10 +152,9 @@ def _refuse_unreduced(grads: Any) -> None:
   """Raises if a gradient is unreduced while no `axis_name` says over what
   to sum it (JAX's own error names neither the cause nor the fix)."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    axes = getattr(_unreduced.spec_of(leaf), "unreduced", None)
+    axes = _unreduced.unreduced_axes(leaf)
     if axes:
-      names = tuple(sorted(axes))
-      name = names[0] if len(names) == 1 else names
+      name = axes[0] if len(axes) == 1 else axes
       raise ValueError(
         f"`updates` leaf {jax.tree_util.keystr(path) or '<root>'} is typed"
         f" unreduced over {name!r} (each device's partial sum, e.g. from"

@@ -131,23 +131,18 @@ def drop_device_axis(opt_state: Any) -> Any:
 
 def _reduced_leaf(x: Any) -> Any:
   """`x` summed over the axes it is unreduced over; other leaves as given."""
-  if isinstance(x, jax.ShapeDtypeStruct):
-    sharding = x.sharding
-    if not isinstance(sharding, NamedSharding) or not sharding.spec.unreduced:
-      return x
-    spec = _unreduced.reduced_spec(x, tuple(sharding.spec.unreduced))
-    return jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=NamedSharding(sharding.mesh, spec)
-    )
-  if not isinstance(x, jax.Array):
+  if not isinstance(x, jax.Array | jax.ShapeDtypeStruct):
     return x
-  axes = tuple(getattr(_unreduced.spec_of(x), "unreduced", ()))
+  axes = _unreduced.unreduced_axes(x)
   if not axes:
     return x
   spec = _unreduced.reduced_spec(x, axes)
   if isinstance(x, jax.core.Tracer):
     return jax.reshard(x, spec)
-  return jax.reshard(x, NamedSharding(x.sharding.mesh, spec))
+  sharding = NamedSharding(x.sharding.mesh, spec)
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+  return jax.reshard(x, sharding)
 
 
 def reduce_state(opt_state: Any) -> Any:

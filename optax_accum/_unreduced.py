@@ -127,13 +127,20 @@ def _parts(spec: P) -> tuple:
   return tuple(getattr(spec, "partitions", spec))
 
 
+def unreduced_axes(x: Any) -> tuple:
+  """The mesh axes `x` is typed unreduced over, sorted; ``()`` if none.
+
+  Works on arrays, tracers under ``jit`` and ``jax.ShapeDtypeStruct``.
+  """
+  return tuple(sorted(getattr(spec_of(x), "unreduced", ())))
+
+
 def is_unreduced(x: Any, axis_name: AxisName = "data") -> bool:
   """Whether `x` is typed unreduced over every axis of `axis_name`.
 
   Works on arrays, tracers under ``jit`` and ``jax.ShapeDtypeStruct``.
   """
-  unreduced = getattr(spec_of(x), "unreduced", frozenset())
-  return set(_axes(axis_name)) <= set(unreduced)
+  return set(_axes(axis_name)) <= set(unreduced_axes(x))
 
 
 def check_unreduced(
