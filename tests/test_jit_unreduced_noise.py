@@ -170,7 +170,7 @@ def test_the_controller_picks_the_same_ks_as_the_shard_map_engine():
 # ----------------------------------------------------------------------------
 
 
-def _one_unreduced_call(tx, noise_stats=True, pass_stats=True):
+def _one_unreduced_call(tx, noise_stats=True):
   mesh = _mesh("dp")
   grad_fn = optax_accum.local_value_and_grad(
     _token_mean, has_weight=True, noise_stats=noise_stats
@@ -179,7 +179,7 @@ def _one_unreduced_call(tx, noise_stats=True, pass_stats=True):
   @jax.jit
   def step(params, state, batch):
     (_, tokens), grads, *stats = grad_fn(params, batch)
-    kwargs = {"noise_stats": stats[0]} if pass_stats and stats else {}
+    kwargs = {"noise_stats": stats[0]} if stats else {}
     return tx.update(grads, state, params, weight=tokens, **kwargs)
 
   with jax.set_mesh(mesh):
