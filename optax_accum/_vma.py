@@ -2,16 +2,17 @@
 
 Inside ``jax.shard_map`` with ``check_vma=True`` (the default) every value's
 type records the mesh axes it varies over. A ``psum`` removes the axis from
-the type, so the two branches of a ``lax.cond`` that reduces in one branch
+the type, so the two branches of a conditional that reduces in one branch
 only would disagree on types. These helpers read and widen that set; outside
 ``shard_map`` (and under ``vmap``) every value varies over no axis and they
 change nothing.
 """
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 
@@ -40,18 +41,19 @@ def vary_over(x: Any, axes: frozenset) -> Any:
   return lax.pvary(x, missing)  # older jax
 
 
-def cond(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any):
-  """``lax.cond`` whose branches may differ in the axes their outputs vary over.
+def switch(index: Any, branches: Sequence[Callable], *operands: Any):
+  """``lax.switch`` whose branches may differ in the axes their outputs vary
+  over.
 
-  Each output is marked as varying over the union of both branches' axes.
+  Each output is marked as varying over the union of the branches' axes.
   When no operand varies (outside ``shard_map``, under ``vmap``) this is
-  plain ``lax.cond`` and the branches are not traced twice.
+  plain ``lax.switch`` and the branches are not traced twice.
   """
   if not any(varying_axes(jax.typeof(x)) for x in jax.tree.leaves(operands)):
-    return lax.cond(pred, true_fun, false_fun, *operands)
-  out_types = [jax.eval_shape(f, *operands) for f in (true_fun, false_fun)]
+    return lax.switch(index, branches, *operands)
+  out_types = [jax.eval_shape(f, *operands) for f in branches]
   axes = jax.tree.map(
-    lambda a, b: varying_axes(a) | varying_axes(b), *out_types
+    lambda *types: frozenset().union(*map(varying_axes, types)), *out_types
   )
 
   def unify(fun: Callable) -> Callable:
@@ -60,7 +62,25 @@ def cond(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any):
 
     return unified
 
-  return lax.cond(pred, unify(true_fun), unify(false_fun), *operands)
+  return lax.switch(index, [unify(f) for f in branches], *operands)
+
+
+def cond(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any):
+  """``lax.cond`` that compilers keep, and that may vary its outputs as
+  :func:`switch` does.
+
+  Lowered as ``lax.switch`` on an ``int32`` index with `false_fun` as HLO
+  branch 0, for two reasons seen in XLA:GPU. A ``lax.cond`` index is
+  ``convert(pred)``, which the algebraic simplifier folds back into a
+  predicate; the conditional simplifier then inlines a predicate
+  conditional whose branches are all elementwise into selects, so both
+  branches run on every call (an optimizer on every micro-step). And a
+  pass-through branch that is not branch 0 makes copy insertion copy the
+  operands it passes through. The clamp ``lax.switch`` puts on its index
+  keeps it an integer, and the holding branch stays branch 0.
+  """
+  index = jnp.asarray(pred).astype(jnp.int32)
+  return switch(index, (false_fun, true_fun), *operands)
 
 
 def varies_over(tree: Any, axis_name: Hashable) -> bool:
