@@ -2,6 +2,7 @@
 
 from optax_accum._accumulate import accumulate as accumulate
 from optax_accum._accumulate import inner_for_every_k as inner_for_every_k
+from optax_accum._apply import apply_updates as apply_updates
 from optax_accum._collectives import Collective as Collective
 from optax_accum._collectives import (
   assert_reduction_deferred as assert_reduction_deferred,
@@ -40,6 +41,7 @@ __all__ = (
   "NoiseStats",
   "accumulate",
   "add_device_axis",
+  "apply_updates",
   "assert_reduction_deferred",
   "collectives",
   "current_every_k",

@@ -3,29 +3,41 @@
 Read top to bottom: the configuration and its checks, the steps of
 ``update`` as module-level functions, then :func:`accumulate` itself.
 
-Why the step looks like this. A micro-step should cost a gradient add. On
-XLA:CPU the operands and results of a conditional are materialised buffers,
-which blocks fusing the gradient into the accumulator add and costs a
-parameter-sized buffer for the updates the conditional returns. So:
+Why the step looks like this. A micro-step should cost what the gradient and
+its add into the accumulator cost (the floor), on CPU, GPU and TPU alike, and
+the step should need no memory beyond the accumulator. So:
 
-1. the add happens before and outside the conditional;
-2. the reset is lazy: a new cycle ignores the old contents of the
-   accumulator instead of zeroing them;
-3. the conditional's only big operand and result is the accumulator itself:
-   the emitting branch writes the inner updates into the accumulator's
-   buffer (scratch after emission, thanks to 2) and the holding branch
-   passes it through untouched;
-4. the zero updates of a micro-step are a ``where`` outside the conditional,
-   which fuses with ``optax.apply_updates``.
+1. the add happens before and outside control flow, straight into the
+   state's accumulator, with every select (a weight of 0, a skipped
+   micro-batch) on the gradient's side: compiled for GPU, XLA then fuses
+   ``acc + grad`` into the GEMM that makes each weight gradient, which it
+   does only for an accumulator that is a parameter of the step;
+2. one conditional decides on the device whether the call ends the cycle
+   (``_vma.cond``: an integer switch whose branch 0 holds, so that no
+   compiler turns it into selects or copies what it passes through). Its
+   emitting branch runs the inner optimizer and writes the updates into the
+   accumulator's buffer; the holding branch passes everything through;
+3. the zero updates of a micro-step are a ``where`` outside the
+   conditional, which fuses with ``optax.apply_updates``;
+4. once the updates are read, a second conditional returns the accumulator
+   to zeros at a cycle's end and, given the params, applies the updates
+   (what :func:`optax_accum.apply_updates` returns); its holding branch
+   passes both through, so a micro-step reads and writes neither. The
+   engines whose updates cannot share the accumulator's buffer do this in
+   the first conditional;
+5. XLA:CPU's copy insertion would copy the buffer that point 4 reads, so
+   compiled for CPU (``lax.platform_dependent``) the accumulator keeps the
+   update until the next cycle starts, and that start ignores it;
+6. with ``update(..., emit=True | False)`` the caller says at trace time
+   whether the call ends the cycle: no conditional at all.
 
-The inner optimizer still runs only in the emitting branch. The structure
-tests (``tests/test_performance_structure.py``) hold the compiled program
-to these points.
+The structure tests (``tests/test_performance_structure.py`` for CPU,
+``tests/test_accelerators.py`` compiled for an H100 and a TPU v5e) hold the
+compiled programs to these points.
 
 With ``axis_name``, :mod:`optax_accum._engine` picks per trace how the
 accumulator is reduced: ``psum`` inside ``shard_map``, or, under plain
-``jit``, one ``jax.reshard`` of an accumulator typed unreduced over the axis
-(no buffer reuse there: the accumulator and the updates differ in type).
+``jit``, one ``jax.reshard`` of an accumulator typed unreduced over the axis.
 """
 
 import dataclasses
@@ -40,6 +52,7 @@ import optax
 from jax import lax
 
 from optax_accum import (
+  _apply,
   _checks,
   _engine,
   _every_k,
@@ -308,6 +321,26 @@ def _check_noise_stats(
   return noise_stats
 
 
+def _check_emit(emit: Any, flush: Any) -> bool | None:
+  """`emit` as None or a Python bool; raises naming it."""
+  if emit is None:
+    return None
+  if not isinstance(emit, bool | np.bool_):
+    raise TypeError(
+      "`emit` must be None (the counter decides on the device) or a Python"
+      " bool known when the step is traced, e.g. `jax.jit(step,"
+      f" static_argnames='emit')`; got {emit!r} of type"
+      f" {type(emit).__name__}."
+    )
+  if flush is not False:
+    raise ValueError(
+      "`flush` cannot be combined with `emit`: a call with `emit=True`"
+      " already ends the cycle, whatever its length. Pass `emit=True`"
+      f" instead of `flush`; got flush={flush!r} with emit={emit!r}."
+    )
+  return bool(emit)
+
+
 class _MicroBatch(NamedTuple):
   """One call's gradient and what the caller said about it."""
 
@@ -346,45 +379,84 @@ def _accept(
   return _MicroBatch(grads, weight, weighted, accepted, flush)
 
 
-def _add_leaf(acc, g, *, fresh, weight, accepted, guarded, engine):
-  """Design point 1 + 2: the add, outside control flow, from 0 when fresh."""
+def _add_leaf(acc, g, *, keep, weight, engine):
+  """Design point 1: ``acc + term``, with every select on the term's side.
+
+  The weight and the skip decision are scalars: selecting the term with a
+  scalar predicate keeps the add fusable into the GEMM that makes `g`
+  (XLA:GPU fuses ``acc + f(dot)`` where `acc` is a parameter of the step,
+  not ``f(acc) + dot``).
+  """
   compute = _weighting.compute_dtype(acc.dtype)
-  acc_c = acc.astype(compute)
-  base = engine.select(fresh, engine.zero(acc_c), acc_c)
   term = jnp.asarray(g).astype(compute)
   if weight is not None:
+    term = engine.scale(term, weight)
+  if keep is not None:
     # Weight 0 adds exact zeros, even where `g` is NaN (see weighted_term).
-    term = engine.select(
-      weight == 0, engine.zero(term), engine.scale(term, weight)
-    )
-  summed = base + term
-  if guarded:
-    summed = engine.select(accepted, summed, base)
-  return summed.astype(acc.dtype)
+    term = engine.select(keep, term, engine.zero(term))
+  return (acc.astype(compute) + term).astype(acc.dtype)
+
+
+def _per_backend(*args: Any, cpu: Callable, accelerator: Callable) -> Any:
+  """`cpu(*args)` in a program compiled for CPU, `accelerator(*args)` for
+  GPU and TPU (design point 5); chosen when the program is lowered, so only
+  one of them is in it."""
+  return lax.platform_dependent(*args, cpu=cpu, default=accelerator)
+
+
+def _cycle_start(engine: _engine.Engine, state: AccumulateState):
+  """The sums a call adds into, per backend (design point 5).
+
+  Compiled for GPU or TPU, the accumulator is the state's own, untouched,
+  so that the add fuses into the gradient's GEMM: it holds zeros at a
+  cycle start, except on a state that a program compiled for CPU (or
+  optax_accum 0.1) left at a cycle boundary, whose weight then starts at
+  -inf so that the cycle ends without an update. Compiled for CPU, a cycle
+  start ignores whatever the buffer holds (the cheaper form there).
+
+  Returns:
+    ``(accumulator, weight)``.
+  """
+  fresh = state.micro_step == 0
+
+  def on_cpu(acc, weight, fresh):
+    acc = jax.tree.map(lambda a: engine.select(fresh, engine.zero(a), a), acc)
+    return acc, jnp.where(fresh, 0.0, weight)
+
+  def on_accelerator(acc, weight, fresh):
+    left_by_cpu = fresh & (weight != 0)
+    start = jnp.where(left_by_cpu, -jnp.inf, 0.0)
+    return acc, jnp.where(fresh, start, weight)
+
+  return _per_backend(
+    state.acc_grads,
+    state.acc_weight,
+    fresh,
+    cpu=on_cpu,
+    accelerator=on_accelerator,
+  )
 
 
 def _add(
+  config: _Config,
   engine: _engine.Engine,
-  acc_grads: Any,
-  acc_weight: jax.Array,
+  state: AccumulateState,
   micro: _MicroBatch,
-  fresh: jax.Array,
-  guarded: bool,
 ) -> tuple[Any, jax.Array]:
   """The new accumulator and total weight after adding `micro`."""
+  acc, weight = _cycle_start(engine, state)
+  keep = micro.accepted if config.skip_nonfinite else None
+  if micro.weighted:
+    nonzero = micro.weight != 0
+    keep = nonzero if keep is None else keep & nonzero
   add_leaf = functools.partial(
     _add_leaf,
-    engine=engine,
-    fresh=fresh,
+    keep=keep,
     weight=micro.weight if micro.weighted else None,
-    accepted=micro.accepted,
-    guarded=guarded,
+    engine=engine,
   )
-  acc = jax.tree.map(add_leaf, acc_grads, micro.grads)
-  total_weight = jnp.where(fresh, 0.0, acc_weight) + jnp.where(
-    micro.accepted, micro.weight, 0.0
-  )
-  return acc, total_weight
+  acc = jax.tree.map(add_leaf, acc, micro.grads)
+  return acc, weight + jnp.where(micro.accepted, micro.weight, 0.0)
 
 
 def _add_noise(
@@ -405,17 +477,17 @@ def _add_noise(
 
 def _enters_emitting_branch(
   cycle_end: jax.Array,
-  micro_step: jax.Array,
   total_weight: jax.Array,
   engine: _engine.Engine,
+  plan: "_Plan",
 ) -> jax.Array:
-  if engine.kind != _engine.SHARD_MAP:
-    # Known here (under plain jit the weight is global): a weightless cycle
-    # skips the branch entirely (a NaN total still enters, so that the NaN
-    # reaches `inner`).
+  if engine.kind == _engine.LOCAL and plan.reuse_buffer:
+    # A weightless cycle skips the branch (a NaN total still enters, so
+    # that the NaN reaches `inner`); the closing conditional zeroes it.
     return cycle_end & ~(total_weight <= 0)
-  # The global weight is only known after the all-reduce in the branch.
-  return cycle_end & (micro_step > 0)
+  # The branch closes the cycle, and under shard_map the global weight is
+  # known inside it only: every cycle's end enters.
+  return cycle_end
 
 
 class _Plan(NamedTuple):
@@ -424,7 +496,7 @@ class _Plan(NamedTuple):
   grad_types: Any  # ShapeDtypeStructs of the gradients.
   update_types: Any  # ... of inner's updates.
   inner_state_types: Any  # ... of inner's new state.
-  reuse_buffer: bool  # Design point 3 applies.
+  reuse_buffer: bool  # Design point 2 applies.
   # Unreduced engine: PartitionSpecs of the reduced sum (the params' own
   # when given, so that `inner` sees gradients laid out like the params).
   reduced_specs: Any = None
@@ -553,10 +625,10 @@ def _local_mean_sq_norm(enter: jax.Array, acc: Any, total_weight: jax.Array):
 
   Inside the emitting branch this reduction would read the accumulator with
   no data dependency on the inner's in-place writes into the same buffer
-  (design point 3), so XLA would copy the whole accumulator in the holding
+  (design point 2), so XLA would copy the whole accumulator in the holding
   branch on every call.
   """
-  return lax.cond(enter, _mean_sq_norm, _no_sq_norm, acc, total_weight)
+  return _vma.cond(enter, _mean_sq_norm, _no_sq_norm, acc, total_weight)
 
 
 def _mean_gradient(acc: Any, inv_weight: jax.Array, plan: _Plan, reduction):
@@ -576,18 +648,35 @@ def _mean_gradient(acc: Any, inv_weight: jax.Array, plan: _Plan, reduction):
   return jax.tree.map(mean_leaf, acc, plan.grad_types)
 
 
-def _all_reduce(acc, total_weight, noise, axis_name):
-  """One all-reduce per cycle: the gradient sum, its weight, and the
-  noise-scale sums when tracked (the count as float32 to join the op)."""
+def _reduce(config, engine, plan, acc, weight, noise):
+  """The cycle's sums over `axis_name`: one reduction per accumulator leaf,
+  so that each may start as soon as its own gradient is added (the weight
+  and the noise-scale sums, scalars, in one reduction of their own)."""
+  if engine.kind == _engine.SHARD_MAP:
+    acc = jax.tree.map(lambda a: lax.psum(a, config.axis_name), acc)
+    if noise is None:
+      return acc, lax.psum(weight, config.axis_name), noise
+    # The count as float32, to join the weight's all-reduce.
+    weight, sq_sum, count = lax.psum(
+      (weight, noise.sq_norm_sum, noise.count.astype(jnp.float32)),
+      config.axis_name,
+    )
+    noise = noise._replace(sq_norm_sum=sq_sum, count=count.astype(jnp.int32))
+    return acc, weight, noise
+  if engine.unreduced:  # The weight and the sums are global already.
+    acc = _unreduced.reduce(acc, engine.axis_name, plan.reduced_specs)
+  return acc, weight, noise
+
+
+def _fold_noise(config, noise, acc, inv_weight, weight, mean_sq):
+  """The ended cycle folded into the noise-scale averages."""
   if noise is None:
-    acc, total_weight = lax.psum((acc, total_weight), axis_name)
-    return acc, total_weight, noise
-  acc, total_weight, sq_sum, count = lax.psum(
-    (acc, total_weight, noise.sq_norm_sum, noise.count.astype(jnp.float32)),
-    axis_name,
+    return None
+  if mean_sq is None:  # The global mean, known only after the all-reduce.
+    mean_sq = _noise_scale.sq_norm(acc, inv_weight)
+  return _noise_scale.fold_cycle(
+    noise, mean_sq, weight, config.noise_scale_decay
   )
-  noise = noise._replace(sq_norm_sum=sq_sum, count=count.astype(jnp.int32))
-  return acc, total_weight, noise
 
 
 def _run_inner(inner, extra_args, grad, inner_state, params):
@@ -595,88 +684,301 @@ def _run_inner(inner, extra_args, grad, inner_state, params):
   return updates, inner_state, jnp.asarray(True)
 
 
-def _skip_inner(plan, grad, inner_state, params):
-  del grad, params
-  return (
-    _zeros(plan.update_types, plan.reduced_specs is not None),
-    _settle(inner_state, plan.inner_state_types),
-    jnp.asarray(False),
+class _Cycle(NamedTuple):
+  """What the conditional that may end a cycle reads: its one operand."""
+
+  acc: Any  # The cycle's (device-local) sum, after this call's add.
+  weight: jax.Array  # float32[]: its (device-local) total weight.
+  micro_step: jax.Array  # int32[]: micro-batches accepted in it.
+  end: jax.Array  # bool[]: this call ends the cycle.
+  noise: Any  # NoiseScaleState or None.
+  mean_sq: Any  # |mean gradient|^2 measured outside, or None.
+  inner_state: Any
+  params: Any
+
+
+class _Branch(NamedTuple):
+  """What the conditional that may end a cycle returns."""
+
+  out: Any  # The updates after an emission (design point 2).
+  weight: jax.Array  # The cycle's total weight (global after emission).
+  noise: Any
+  inner_state: Any
+  emitted: jax.Array  # bool[]
+  cycle_weight: jax.Array  # The ended cycle's global weight, else 0.
+  # Without buffer reuse the branch also closes the cycle (design point 4):
+  acc: Any = None  # the accumulator, zeros after a cycle's end;
+  params: Any = None  # the params, with the updates applied if emitted.
+
+
+def _emission(config, engine, tx, plan, extra_args, cycle: _Cycle, checked):
+  """The cycle's (reduced) mean gradient through `tx`, the inner
+  transformation.
+
+  Args:
+    checked: the total weight is known to be positive (or NaN) here.
+      Otherwise the inner runs anyway and its result is kept only for a
+      positive total weight: selects that fuse into the inner's own
+      kernels, where a conditional would materialise the mean gradient.
+
+  Returns:
+    ``(updates, inner_state, emitted, weight, noise)``, with the cycle's
+    global weight and noise-scale sums.
+  """
+  acc, weight, noise = _reduce(
+    config, engine, plan, cycle.acc, cycle.weight, cycle.noise
   )
-
-
-def _emit(
-  config,
-  engine,
-  tx,
-  plan,
-  extra_args,
-  acc,
-  weight,
-  noise,
-  mean_sq,
-  inner,
-  params,
-):
-  """The emitting branch: the (reduced) mean gradient through `tx`, the
-  inner transformation, whose state is `inner`."""
-  if engine.kind == _engine.SHARD_MAP:
-    acc, weight, noise = _all_reduce(acc, weight, noise, config.axis_name)
-  elif engine.unreduced:  # The weight is global already.
-    acc = _unreduced.reduce(acc, engine.axis_name, plan.reduced_specs)
   inv_weight = _inverse_weight(weight)
   grad = _mean_gradient(acc, inv_weight, plan, config.reduction)
-  if noise is not None:
-    if mean_sq is None:  # The global mean, known only after the all-reduce.
-      mean_sq = _noise_scale.sq_norm(acc, inv_weight)
-    noise = _noise_scale.fold_cycle(
-      noise, mean_sq, weight, config.noise_scale_decay
-    )
-  run = functools.partial(_run_inner, tx, extra_args)
-  if engine.kind != _engine.SHARD_MAP:  # Entered with a positive weight.
-    updates, inner, emitted = run(grad, inner, params)
-  else:
-    positive = ~(weight <= 0)  # NaN: let it reach `inner`
-    skip = functools.partial(_skip_inner, plan)
-    updates, inner, emitted = _vma.cond(
-      positive, run, skip, grad, inner, params
-    )
-  if plan.reuse_buffer:
-    updates = jax.tree.map(lambda u, a: u.astype(a.dtype), updates, acc)
-  # The weight again, as the ended cycle's global weight: under shard_map
-  # the first copy joins the device-local accumulator's slot.
-  return updates, weight, noise, inner, emitted, weight
-
-
-def _hold(plan, acc, weight, noise, mean_sq, inner, params):
-  """The holding branch: passes the accumulator through (design point 3)."""
-  del mean_sq, params
-  held = (
-    acc
-    if plan.reuse_buffer
-    else _zeros(plan.update_types, plan.reduced_specs is not None)
+  noise = _fold_noise(config, noise, acc, inv_weight, weight, cycle.mean_sq)
+  updates, inner_state, emitted = _run_inner(
+    tx, extra_args, grad, cycle.inner_state, cycle.params
   )
-  inner = _settle(inner, plan.inner_state_types)
-  return (
-    held,
+  if not checked:
+    emitted = ~(weight <= 0)  # NaN: let it reach `inner`
+    updates = jax.tree.map(
+      lambda u: jnp.where(emitted, u, jnp.zeros([], u.dtype)), updates
+    )
+    inner_state = jax.tree.map(
+      lambda new, old: jnp.where(emitted, new, old.astype(new.dtype)),
+      inner_state,
+      cycle.inner_state,
+    )
+  return updates, inner_state, emitted, weight, noise
+
+
+def _emit(config, engine, tx, plan, extra_args, cycle: _Cycle) -> _Branch:
+  """The emitting branch (see :func:`_enters_emitting_branch`)."""
+  checked = engine.kind == _engine.LOCAL and plan.reuse_buffer
+  updates, inner, emitted, weight, noise = _emission(
+    config, engine, tx, plan, extra_args, cycle, checked
+  )
+  if plan.reuse_buffer:
+    updates = jax.tree.map(lambda u, a: u.astype(a.dtype), updates, cycle.acc)
+    # The weight again, as the ended cycle's global weight: under
+    # shard_map the first copy joins the device-local accumulator's slot.
+    return _Branch(updates, weight, noise, inner, emitted, weight)
+  params = cycle.params
+  if params is not None:
+    params = jax.tree.map(
+      lambda new, old: jnp.where(emitted, new, old),
+      optax.apply_updates(params, updates),
+      params,
+    )
+  return _Branch(
+    updates,
     weight,
     noise,
     inner,
-    jnp.asarray(False),
-    jnp.zeros([], weight.dtype),
+    emitted,
+    weight,
+    _cleared(engine, cycle.acc, cycle.end),
+    params,
   )
 
 
-def _split_buffer(out: Any, acc: Any, emitted: jax.Array, plan: _Plan):
-  """(updates, accumulator) from the conditional's buffer (design point 4)."""
-  if not plan.reuse_buffer:
-    return out, acc
-  # The buffer holds the updates after emission, the sum otherwise.
-  updates = jax.tree.map(
+def _hold(plan, cycle: _Cycle) -> _Branch:
+  """The holding branch: passes the accumulator through (design point 2)."""
+  if plan.reuse_buffer:
+    held, acc, params = cycle.acc, None, None
+  else:  # Unused, and dropped by XLA, when the updates are applied with
+    # optax_accum.apply_updates.
+    held = _zeros(plan.update_types, plan.reduced_specs is not None)
+    acc, params = cycle.acc, cycle.params
+  return _Branch(
+    held,
+    cycle.weight,
+    cycle.noise,
+    _settle(cycle.inner_state, plan.inner_state_types),
+    jnp.asarray(False),
+    jnp.zeros([], cycle.weight.dtype),
+    acc,
+    params,
+  )
+
+
+def _cleared(engine: _engine.Engine, acc: Any, cycle_end: jax.Array) -> Any:
+  """Zeros in place of `acc` (`cycle_end` is true where this runs).
+
+  A select that reads `acc`, not constant zeros: XLA merges equal constants
+  into one value, and outputs sharing one value, or computed from nothing
+  they could be written over, are copied, on micro-steps too. NaN-safe,
+  unlike ``0 * acc``."""
+  return jax.tree.map(
+    lambda a: engine.select(cycle_end, engine.zero(a), a), acc
+  )
+
+
+def _applied(plan: _Plan, params: Any, out: Any) -> Any:
+  """`params` with the updates held in the conditional's buffer applied."""
+  updates = jax.tree.map(lambda b, t: b.astype(t.dtype), out, plan.update_types)
+  return optax.apply_updates(params, updates)
+
+
+def _close_cycle(
+  engine: _engine.Engine,
+  plan: _Plan,
+  params: Any,
+  out: Any,
+  cycle_end: jax.Array,
+  emitted: jax.Array,
+) -> tuple[Any, Any]:
+  """Design point 4, with buffer reuse: once the updates are read, the
+  accumulator the state keeps and, given `params`, the params with the
+  updates applied if they were emitted (what
+  :func:`optax_accum.apply_updates` returns).
+
+  Compiled for GPU or TPU, one conditional on `cycle_end` returns the
+  accumulator (the buffer `out`) to zeros and applies the updates; its
+  holding branch passes both through, so that a micro-step neither reads
+  nor writes them. It has two branches: XLA copies the pass-through operands
+  of a conditional with more. Compiled for CPU, whose copy insertion would
+  copy the buffer this conditional reads, the buffer stays as it is (a
+  cycle start there ignores it) and a conditional of its own applies the
+  updates.
+
+  Returns:
+    ``(new_params, accumulator)``; `new_params` is None without `params`.
+  """
+
+  def keep(params, out):
+    return params, out
+
+  def close(params, out):
+    if params is not None:  # The select fuses into the update's kernel.
+      params = jax.tree.map(
+        lambda new, old: jnp.where(emitted, new, old),
+        _applied(plan, params, out),
+        params,
+      )
+    return params, _cleared(engine, out, cycle_end)
+
+  def on_accelerator(params, out):
+    return _vma.cond(cycle_end, close, keep, params, out)
+
+  def on_cpu(params, out):
+    if params is not None:
+      params = _vma.cond(
+        emitted,
+        functools.partial(_applied, plan),
+        lambda params, out: params,
+        params,
+        out,
+      )
+    return params, out
+
+  return _per_backend(params, out, cpu=on_cpu, accelerator=on_accelerator)
+
+
+def _emitted_updates(out: Any, emitted: jax.Array, plan: _Plan) -> Any:
+  """Design point 3: the updates, exact zeros unless emitted; outside the
+  conditional, so that the select fuses with ``optax.apply_updates``."""
+  return jax.tree.map(
     lambda b, t: jnp.where(emitted, b.astype(t.dtype), 0),
     out,
     plan.update_types,
   )
-  return updates, out
+
+
+def _weight_kept(total_weight: jax.Array, cycle_end: jax.Array) -> jax.Array:
+  """``acc_weight`` after a call: the cycle's total; at a cycle's end, 0
+  where the accumulator was returned to zeros (GPU, TPU) and the ended
+  cycle's total where it holds scratch (CPU, see :func:`_cycle_start`)."""
+  return _per_backend(
+    total_weight,
+    cycle_end,
+    cpu=lambda total, end: total,
+    accelerator=lambda total, end: jnp.where(end, 0.0, total),
+  )
+
+
+class _End(NamedTuple):
+  """How a call ends: what it returns and what it leaves for the next."""
+
+  updates: Any
+  emitted: Any  # bool[]; for `apply_updates`: a Python bool when static
+  new_params: Any  # the params with `updates` applied, or None
+  acc: Any
+  acc_weight: jax.Array
+  noise: Any
+  inner_state: Any
+  cycle_end: jax.Array  # bool[]
+  cycle_weight: jax.Array  # the ended cycle's global weight
+
+
+def _traced_end(config, engine, inner, plan, extra_args, cycle) -> _End:
+  """The device decides whether this call ends the cycle (the default)."""
+  enter = _enters_emitting_branch(cycle.end, cycle.weight, engine, plan)
+  if cycle.noise is not None and config.axis_name is None:
+    cycle = cycle._replace(
+      mean_sq=_local_mean_sq_norm(enter, cycle.acc, cycle.weight)
+    )
+  # _vma.cond is lax.switch, with lax.cond's arguments, that varies its
+  # outputs over the shard_map axes its operands vary over.
+  branch = _vma.cond(
+    enter,
+    functools.partial(_emit, config, engine, inner, plan, extra_args),
+    functools.partial(_hold, plan),
+    cycle,
+  )
+  if plan.reuse_buffer:
+    new_params, acc = _close_cycle(
+      engine, plan, cycle.params, branch.out, cycle.end, branch.emitted
+    )
+    acc_weight = _weight_kept(branch.weight, cycle.end)
+  else:
+    new_params, acc = branch.params, branch.acc
+    acc_weight = jnp.where(cycle.end, 0.0, branch.weight)
+  return _End(
+    updates=_emitted_updates(branch.out, branch.emitted, plan),
+    emitted=branch.emitted,
+    new_params=new_params,
+    acc=acc,
+    acc_weight=acc_weight,
+    noise=branch.noise,
+    inner_state=branch.inner_state,
+    cycle_end=cycle.end,
+    cycle_weight=branch.cycle_weight,
+  )
+
+
+def _static_end(config, engine, inner, plan, extra_args, cycle) -> _End:
+  """``emit=True``: the caller says this call ends the cycle. No
+  conditional (see :func:`_emission`); the accumulator is left at zeros."""
+  if cycle.noise is not None and config.axis_name is None:
+    cycle = cycle._replace(mean_sq=_mean_sq_norm(cycle.acc, cycle.weight))
+  updates, inner_state, emitted, weight, noise = _emission(
+    config, engine, inner, plan, extra_args, cycle, checked=False
+  )
+  return _End(
+    updates=updates,
+    emitted=emitted,
+    new_params=None,
+    # Always true, but traced: see _cleared.
+    acc=_cleared(engine, cycle.acc, cycle.micro_step >= 0),
+    acc_weight=jnp.zeros_like(cycle.weight),
+    noise=noise,
+    inner_state=inner_state,
+    cycle_end=jnp.asarray(True),
+    cycle_weight=weight,
+  )
+
+
+def _held(plan, cycle):
+  """``emit=False``: the caller says the cycle goes on. The add and the
+  counters only: no conditional, no inner optimizer."""
+  return _End(
+    updates=_zeros(plan.update_types, plan.reduced_specs is not None),
+    emitted=jnp.asarray(False),
+    new_params=None,
+    acc=cycle.acc,
+    acc_weight=cycle.weight,
+    noise=cycle.noise,
+    inner_state=_settle(cycle.inner_state, plan.inner_state_types),
+    cycle_end=jnp.asarray(False),
+    # Not zeros_like: under shard_map the weight varies over the devices.
+    cycle_weight=jnp.zeros([], jnp.float32),
+  )
 
 
 def _inner_alone(inner, grads, state, params, extra_args):
@@ -694,9 +996,12 @@ def _inner_alone(inner, grads, state, params, extra_args):
   )
 
 
-def _passes_through(config: _Config, weight: Any, flush: Any) -> bool:
+def _passes_through(
+  config: _Config, weight: Any, flush: Any, emit: bool | None
+) -> bool:
   return (
     config.every_k.fixed == 1
+    and emit is None
     and weight is None
     and flush is False
     and not config.skip_nonfinite
@@ -704,14 +1009,13 @@ def _passes_through(config: _Config, weight: Any, flush: Any) -> bool:
   )
 
 
-def _next_cycle(
-  config, state, cycle_end, emitted, step, micro_step, cycle_weight, noise
-):
-  """What the state carries into the next cycle: the weight seen, k and the
-  controller's state, all changed only when this call ended a cycle."""
+def _next_state(config, state, micro, micro_step, end: _End):
+  """The state after a call: counters, and the weight seen, k and the
+  controller's state, which change only when the call ended a cycle."""
+  step = jnp.where(end.emitted, optax.safe_increment(state.step), state.step)
   weight_seen = jnp.where(
-    emitted,
-    _every_k.add_weight_seen(state.weight_seen, cycle_weight),
+    end.emitted,
+    _every_k.add_weight_seen(state.weight_seen, end.cycle_weight),
     state.weight_seen,
   )
   k, grow = _every_k.next_k(
@@ -720,20 +1024,36 @@ def _next_cycle(
     state.grow,
     step=step,
     weight_seen=weight_seen,
-    noise=noise,
-    cycle_weight=cycle_weight,
+    noise=end.noise,
+    cycle_weight=end.cycle_weight,
     cycle_micro_batches=micro_step,
-    emitted=emitted,
+    emitted=end.emitted,
     decay=config.noise_scale_decay,
   )
-  k = jnp.where(cycle_end, k, state.every_k)
-  grow = jax.tree.map(lambda n, o: jnp.where(cycle_end, n, o), grow, state.grow)
-  return weight_seen, k, grow
+  return AccumulateState(
+    micro_step=jnp.where(end.cycle_end, 0, micro_step),
+    step=step,
+    every_k=jnp.where(end.cycle_end, k, state.every_k),
+    acc_grads=end.acc,
+    acc_weight=end.acc_weight,
+    weight_seen=weight_seen,
+    inner_state=end.inner_state,
+    num_skipped=jnp.where(
+      micro.accepted,
+      state.num_skipped,
+      optax.safe_increment(state.num_skipped),
+    ),
+    emitted=end.emitted,
+    noise=end.noise,
+    grow=jax.tree.map(
+      lambda n, o: jnp.where(end.cycle_end, n, o), grow, state.grow
+    ),
+  )
 
 
 @functools.cache
 def _jitted_update(config: _Config) -> Callable[..., Any]:
-  return jax.jit(functools.partial(_update, config))
+  return jax.jit(functools.partial(_update, config), static_argnames=("emit",))
 
 
 def _update(
@@ -744,80 +1064,52 @@ def _update(
   *,
   weight: Any = None,
   flush: Any = False,
+  emit: bool | None = None,
   noise_stats: NoiseStats | None = None,
   **extra_args: Any,
 ) -> tuple[optax.Updates, AccumulateState]:
   _check_state(state, config.track_noise_scale)
   _check_grads_match(updates, state.acc_grads)
+  emit = _check_emit(emit, flush)
   engine = _engine.for_update(config.axis_name, updates, state.acc_grads)
   noise_stats = _check_noise_stats(config, engine, noise_stats)
   inner = config.inner(state.every_k)
-  if _passes_through(config, weight, flush):
+  if _passes_through(config, weight, flush, emit):
     return _inner_alone(inner, updates, state, params, extra_args)
-
   if engine.unreduced and not _checks.is_traced(updates):
     # Eager ops on unreduced arrays fail (jax 0.10.2): run the step jitted.
-    options = dict(weight=weight, flush=flush, noise_stats=noise_stats)
+    options = dict(weight=weight, flush=flush, emit=emit)
     return _jitted_update(config)(
-      updates, state, params, **options, **extra_args
+      updates, state, params, noise_stats=noise_stats, **options, **extra_args
     )
+
   micro = _accept(config, engine, updates, weight, flush)
-  fresh = state.micro_step == 0
-  acc, total_weight = _add(
-    engine,
-    state.acc_grads,
-    state.acc_weight,
-    micro,
-    fresh,
-    config.skip_nonfinite,
-  )
+  acc, total_weight = _add(config, engine, state, micro)
   micro_step = state.micro_step + micro.accepted.astype(jnp.int32)
-  noise = _add_noise(state.noise, micro, noise_stats, fresh)
-
-  cycle_end = (micro_step >= state.every_k) | micro.flush
-  enter = _enters_emitting_branch(cycle_end, micro_step, total_weight, engine)
-
+  noise = _add_noise(state.noise, micro, noise_stats, state.micro_step == 0)
   plan = _plan(
     config, engine, inner, extra_args, updates, acc, state.inner_state, params
   )
-  mean_sq = None
-  if noise is not None and config.axis_name is None:
-    mean_sq = _local_mean_sq_norm(enter, acc, total_weight)
-  # _vma.cond is lax.cond unless an operand varies over a shard_map axis.
-  out, total_weight, noise, inner_state, emitted, cycle_weight = _vma.cond(
-    enter,
-    functools.partial(_emit, config, engine, inner, plan, extra_args),
-    functools.partial(_hold, plan),
+  cycle_end = (micro_step >= state.every_k) | micro.flush
+  cycle = _Cycle(
     acc,
     total_weight,
+    micro_step,
+    cycle_end,
     noise,
-    mean_sq,
+    None,
     state.inner_state,
     params,
   )
-  new_updates, acc = _split_buffer(out, acc, emitted, plan)
-
-  step = jnp.where(emitted, optax.safe_increment(state.step), state.step)
-  weight_seen, every_k, grow = _next_cycle(
-    config, state, cycle_end, emitted, step, micro_step, cycle_weight, noise
-  )
-  return new_updates, AccumulateState(
-    micro_step=jnp.where(cycle_end, 0, micro_step),
-    step=step,
-    every_k=every_k,
-    acc_grads=acc,
-    acc_weight=total_weight,
-    weight_seen=weight_seen,
-    inner_state=inner_state,
-    num_skipped=jnp.where(
-      micro.accepted,
-      state.num_skipped,
-      optax.safe_increment(state.num_skipped),
-    ),
-    emitted=emitted,
-    noise=noise,
-    grow=grow,
-  )
+  if emit is None:
+    end = _traced_end(config, engine, inner, plan, extra_args, cycle)
+  elif emit:
+    end = _static_end(config, engine, inner, plan, extra_args, cycle)
+  else:
+    end = _held(plan, cycle)
+  known = {True: True, False: False}.get(emit, end.emitted)
+  _apply.remember(end.updates, known, params, end.new_params)
+  return end.updates, _next_state(config, state, micro, micro_step, end)
 
 
 def _init(config: _Config, params: optax.Params) -> AccumulateState:
@@ -875,7 +1167,7 @@ def accumulate(
 
   and returns ``inner``'s updates; the other calls return exact zeros and
   leave ``inner``'s state untouched. ``inner`` is only executed on emitting
-  calls (under ``jit`` it sits inside a ``lax.cond``), so its cost, and any
+  calls (under ``jit`` it sits inside a conditional), so its cost, and any
   schedule inside it, is paid once per optimizer step. Put everything that
   should run once per optimizer step (clipping, weight decay, schedules)
   inside ``inner``: a transformation chained *around* ``accumulate`` runs on

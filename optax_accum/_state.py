@@ -66,14 +66,17 @@ class AccumulateState(NamedTuple):
       mid-cycle (read it with :func:`current_every_k`).
     acc_grads: The accumulator, a tree like the params with leaves in
       ``accumulator_dtype``: :math:`\\sum_i w_i g_i` over the micro-batches
-      of the current cycle. When ``micro_step == 0`` it holds no gradient:
-      the emitting call reuses this buffer as scratch for the update it
-      returns (so a step needs no second parameter-sized buffer) and the
-      next call overwrites it without reading it.
+      of the current cycle; zeros when ``micro_step == 0``, except after an
+      emission by a program compiled for CPU, which leaves the update it
+      returned there (scratch, marked by a nonzero ``acc_weight``) because
+      that is cheaper on CPU; the next cycle ignores it.
     acc_weight: ``float32[]``. :math:`\\sum_i w_i`, the total weight
       accumulated in the current cycle (with the default weight of 1, the
-      number of micro-batches). Reset lazily like ``acc_grads``: when
-      ``micro_step == 0`` it still holds the last cycle's total.
+      number of micro-batches); 0 when ``micro_step == 0``, or the last
+      cycle's total where the accumulator holds scratch. A cycle that a
+      program compiled for GPU or TPU starts on such scratch counts its
+      weight from -inf: it ends without an update, and the next starts
+      clean.
     weight_seen: ``float32[2]``. The total weight of the cycles that ended
       with an update over the whole run (tokens or examples, the unit of
       ``weight``), as a compensated sum ``[total, -rounding error]`` so that

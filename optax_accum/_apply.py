@@ -1,0 +1,150 @@
+"""`apply_updates`: a micro-step that leaves the params alone.
+
+``optax.apply_updates(params, updates)`` reads and writes every parameter on
+every call, also on the micro-steps of :func:`optax_accum.accumulate`, whose
+updates are zeros: on an accelerator that is as many bytes again as the
+gradient's add into the accumulator. :func:`apply_updates` applies them only
+when they were emitted.
+
+A traced ``accumulate`` call given `params` already computes, in the
+conditional that closes a cycle, the params with the updates applied (and
+passes them through untouched on a micro-step). It records, for the duration
+of the trace, which arrays it returned; :func:`apply_updates`, given exactly
+those updates and params, returns that result, so the step holds no other
+conditional and XLA drops whichever of the two results goes unused. Given
+anything else (updates transformed after ``accumulate``, other params), it
+applies what it is given, inside a conditional of its own.
+"""
+
+import weakref
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_accum import _vma
+from optax_accum._state import find_state
+
+
+class _Record(NamedTuple):
+  """What an ``accumulate`` call returned, for :func:`apply_updates`."""
+
+  updates: tuple  # weak references to the update leaves it returned
+  emitted: Any  # bool[] of that call; a Python bool for a static call
+  params: tuple  # weak references to the params it was given
+  new_params: Any  # those params with the updates applied, or None
+
+
+# id(first update leaf) -> _Record, while that leaf (a tracer) lives.
+_RECORDS: dict[int, _Record] = {}
+
+
+def _is_tracer(x: Any) -> bool:
+  return isinstance(x, jax.core.Tracer)
+
+
+def _refs(tree: Any) -> tuple:
+  return tuple(weakref.ref(x) for x in jax.tree.leaves(tree))
+
+
+def _same(refs: tuple, tree: Any) -> bool:
+  leaves = jax.tree.leaves(tree)
+  return len(refs) == len(leaves) and all(
+    ref() is x for ref, x in zip(refs, leaves, strict=True)
+  )
+
+
+def remember(
+  updates: Any, emitted: Any, params: Any = None, new_params: Any = None
+) -> None:
+  """Records that `updates` came from an ``accumulate`` call.
+
+  Args:
+    updates: the update tree the call returns.
+    emitted: the call's emission flag: a ``bool[]`` for a decision on the
+      device, a Python bool when the call knew it at trace time (``emit=``).
+    params: the params the call was given, if any.
+    new_params: `params` with `updates` applied, as the call computed them.
+  """
+  leaves = jax.tree.leaves(updates)
+  if not leaves or not all(map(_is_tracer, leaves)):
+    return  # Eager: nothing runs that could be skipped.
+  key = id(leaves[0])
+  _RECORDS[key] = _Record(_refs(updates), emitted, _refs(params), new_params)
+  weakref.finalize(leaves[0], _RECORDS.pop, key, None)
+
+
+def _recall(updates: Any) -> _Record | None:
+  """The record of `updates` if they are exactly what an ``accumulate`` call
+  returned in this trace."""
+  leaves = jax.tree.leaves(updates)
+  record = _RECORDS.get(id(leaves[0])) if leaves else None
+  if record is None or not _same(record.updates, updates):
+    return None
+  return record
+
+
+def _keep(params: Any, updates: Any) -> Any:
+  del updates
+  return params
+
+
+def apply_updates(
+  params: optax.Params, updates: optax.Updates, opt_state: optax.OptState
+) -> optax.Params:
+  """``optax.apply_updates`` that reads and writes nothing on a micro-step.
+
+  A drop-in for ``optax.apply_updates`` in a train step that uses
+  :func:`optax_accum.accumulate`: on an emitting call it returns exactly
+  ``optax.apply_updates(params, updates)``; on any other call it returns
+  `params`, unread and unwritten (donated, they pass through in place).
+  Under ``jit`` the decision is a conditional on
+  :func:`optax_accum.has_updated`; with ``update(..., emit=...)`` it is
+  known at trace time and there is no conditional at all.
+
+  Args:
+    params: The params, as for ``optax.apply_updates``.
+    updates: The updates returned with `opt_state`.
+    opt_state: The optimizer state returned with `updates`, holding exactly
+      one :class:`AccumulateState` (itself, or inside an ``optax.chain``,
+      ``inject_hyperparams`` or a ``flax.nnx.Optimizer``'s ``opt_state``).
+
+  Returns:
+    The new params, with the dtypes of `params`.
+
+  Raises:
+    TypeError: If `opt_state` holds no :class:`AccumulateState`.
+    ValueError: If it holds several.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
+    >>> params = jnp.zeros(2)
+    >>> state = tx.init(params)
+    >>> @jax.jit
+    ... def step(params, state, grads):
+    ...   updates, state = tx.update(grads, state, params)
+    ...   return optax_accum.apply_updates(params, updates, state), state
+    >>> for g in (1.0, 3.0):
+    ...   params, state = step(params, state, jnp.full(2, g))
+    ...   print(params)
+    [0. 0.]
+    [-2. -2.]
+  """
+  state = find_state(opt_state, "apply_updates")
+  record = _recall(updates)
+  if record is not None and isinstance(record.emitted, bool):
+    return optax.apply_updates(params, updates) if record.emitted else params
+  if (
+    record is not None
+    and record.new_params is not None
+    and _same(record.params, params)
+  ):
+    return record.new_params
+  # jnp.asarray unwraps array-like leaves too, such as the OptArray leaves
+  # of a flax.nnx.Optimizer's opt_state.
+  emitted = jnp.asarray(state.emitted if record is None else record.emitted)
+  if not _is_tracer(emitted):
+    return optax.apply_updates(params, updates) if bool(emitted) else params
+  return _vma.cond(emitted, optax.apply_updates, _keep, params, updates)
