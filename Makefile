@@ -14,6 +14,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test,examples,bench]"
 	touch $(STAMP)
 
+# The compilers for an H100 and a TPU, to compile for them without the
+# devices (tests/test_accelerators.py, benchmarks/bench_compiled.py): the
+# CUDA plugin of the installed jax without its NVIDIA libraries, and libtpu.
+# Installed apart from the venv, so that only the processes that compile
+# for an accelerator (with JAX_PLATFORMS=cpu) load them.
+ACCEL := $(VENV)/accel
+ACCEL_STAMP := $(ACCEL)/.installed
+
+$(ACCEL_STAMP): $(STAMP)
+	rm -rf $(ACCEL)
+	$(PY) -m pip install --quiet --no-deps --target $(ACCEL) $$($(PY) -m optax_accum._targets)
+	touch $(ACCEL_STAMP)
+
 lint: $(STAMP)
 	$(PY) -m ruff check optax_accum tests examples benchmarks
 	$(PY) -m ruff format --check optax_accum tests examples benchmarks
@@ -23,8 +36,8 @@ lint: $(STAMP)
 # module-scoped fixtures, e.g. the multi-process run) on one worker.
 PYTEST_WORKERS ?= 2
 
-test: $(STAMP) lint
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope
+test: $(STAMP) $(ACCEL_STAMP) lint
+	OPTAX_ACCUM_ACCEL=$(abspath $(ACCEL)) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope
 
 demo: $(STAMP)
 	$(PY) examples/lm/main.py
@@ -35,10 +48,11 @@ demo: $(STAMP)
 adaptive: $(STAMP)
 	$(PY) examples/lm/adaptive.py
 
-bench: $(STAMP)
+bench: $(STAMP) $(ACCEL_STAMP)
 	$(PY) benchmarks/bench_step.py
 	$(PY) benchmarks/bench_train.py
 	$(PY) benchmarks/bench_comm.py
+	JAX_PLATFORMS=cpu PYTHONPATH=$(abspath $(ACCEL)) $(PY) benchmarks/bench_compiled.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,311 @@
+"""What a compiled step does on one call: kernels, bytes, copies, GEMMs.
+
+Reads a compiled program (``jax.jit(f).lower(...).compile()``, for any
+backend, compiled with or without the device) and answers the structural
+questions the accelerator tests and ``benchmarks/bench_compiled.py`` ask of
+an accumulation step:
+
+* which kernels run on a micro-step and on the emitting call, and how many
+  bytes they read and write (:meth:`Program.kernels`,
+  :meth:`Program.kernel_bytes`): a micro-step takes branch 0 of every
+  conditional (the holding branch, see ``_vma.cond``), the emitting call
+  the branch of each conditional that does the most work;
+* whether parameter-sized buffers are copied on the way
+  (:meth:`Program.copies`), whether an optimizer op runs outside every
+  conditional (:meth:`Program.runs_every_call`);
+* whether each weight-gradient GEMM adds into the accumulator itself
+  (:meth:`Program.gemms`: a GEMM kernel that reads a buffer of its own
+  result's shape writes the sum, as cuBLAS with beta = 1 or a Triton GEMM
+  with an add epilogue do);
+* whether XLA:GPU runs the conditionals inside CUDA command buffers, from
+  the thunk sequence it dumps (:func:`conditionals_in_command_buffers`);
+* when each reduction starts relative to the gradient GEMMs in the
+  schedule (:meth:`Program.schedule`).
+
+Kernel bytes are the bytes of a kernel's operands plus its results, an upper
+bound on what it moves through memory (a fusion may read less of an operand
+than its whole shape). They are a measure of a program's structure, not a
+time.
+"""
+
+import dataclasses
+import glob
+import os
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from optax_accum import _hlo
+
+# Control flow and ops that move no data: not kernels.
+_NOT_KERNELS = _hlo.FREE_OPCODES | {
+  "conditional",
+  "call",
+  "while",
+  "after-all",
+  "opt-barrier",
+  "partition-id",
+  "replica-id",
+}
+_GEMM_OPCODES = frozenset({"dot", "convolution"})
+_GEMM_TARGETS = re.compile(
+  r'custom_call_target="(__cublas\$\w+|__cublas\$lt\$\w+|__onednn\$matmul)"'
+)
+_ASYNC_DONE = re.compile(r"-done$")
+
+MICRO_STEP, EMITTING = "micro-step", "emitting"
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """One kernel of a compiled program, as a call reaches it.
+
+  Attributes:
+    computation: the HLO computation holding it.
+    name: the instruction's name.
+    opcode: its opcode (``fusion``, ``custom-call``, ``copy``, ...).
+    shape: its result shape, as printed.
+    operand_bytes: bytes of its operands.
+    result_bytes: bytes of its results (for an async ``-start``, of the
+      matching ``-done``).
+    gemm: whether it is a matrix multiplication (a dot, a convolution, a
+      cuBLAS call, or a fusion around one).
+    copy: whether it only copies (a ``copy`` op, or a fusion of copies).
+  """
+
+  computation: str
+  name: str
+  opcode: str
+  shape: str
+  operand_bytes: int
+  result_bytes: int
+  gemm: bool
+  copy: bool
+
+  @property
+  def bytes(self) -> int:
+    """Operand plus result bytes: what the kernel may move."""
+    return self.operand_bytes + self.result_bytes
+
+  def operand_shapes(self, program: "Program") -> list[str]:
+    shapes = program.shapes(self.computation)
+    inst = program.instruction(self.computation, self.name)
+    return [shapes.get(op, "") for op in inst.operands]
+
+
+def footprint(memory: Any) -> int:
+  """Argument + temp + output - alias bytes of a ``memory_analysis()``."""
+  return (
+    memory.argument_size_in_bytes
+    + memory.temp_size_in_bytes
+    + memory.output_size_in_bytes
+    - memory.alias_size_in_bytes
+  )
+
+
+class Program:
+  """A compiled program's kernels along the paths a call takes.
+
+  Args:
+    compiled: a ``jax.stages.Compiled``, or the text of a compiled HLO
+      module (then `memory` is unknown).
+  """
+
+  def __init__(self, compiled: Any):
+    if isinstance(compiled, str):
+      text, self.memory = compiled, None
+    else:
+      text, self.memory = compiled.as_text(), compiled.memory_analysis()
+    self.text = text
+    self.hlo = _hlo.HloModule(text)
+    self._index = {
+      name: {i.name: i for i in insts}
+      for name, insts in self.hlo.computations.items()
+    }
+
+  # --- Lookups. -------------------------------------------------------------
+
+  def instruction(self, computation: str, name: str) -> _hlo.Instruction:
+    return self._index[computation][name]
+
+  def shapes(self, computation: str) -> dict[str, str]:
+    return {n: i.shape for n, i in self._index[computation].items()}
+
+  def _called(self, inst: _hlo.Instruction) -> set[str]:
+    """Computations an instruction calls (fusion bodies), transitively."""
+    return self.hlo.reachable(inst.calls, through_branches=True)
+
+  def _is_gemm(self, inst: _hlo.Instruction) -> bool:
+    if inst.opcode in _GEMM_OPCODES or _GEMM_TARGETS.search(inst.line):
+      return True
+    if inst.opcode != "fusion":
+      return False
+    return any(
+      set(self.hlo.opcodes(c)) & _GEMM_OPCODES for c in self._called(inst)
+    )
+
+  def _is_copy(self, inst: _hlo.Instruction) -> bool:
+    if inst.opcode in ("copy", "copy-start"):
+      return True
+    if inst.opcode != "fusion":
+      return False
+    ops = {
+      op
+      for c in self._called(inst)
+      for op in self.hlo.opcodes(c)
+      if op not in _hlo.FREE_OPCODES
+    }
+    return bool(ops) and ops <= {"copy"}
+
+  def _kernel(self, computation: str, inst: _hlo.Instruction) -> Kernel:
+    return Kernel(
+      computation=computation,
+      name=inst.name,
+      opcode=inst.opcode,
+      shape=inst.shape,
+      operand_bytes=self.hlo.operand_bytes(computation, inst),
+      result_bytes=self.hlo.result_bytes(computation, inst),
+      gemm=self._is_gemm(inst),
+      copy=self._is_copy(inst),
+    )
+
+  # --- Paths. ---------------------------------------------------------------
+
+  def _pick(self, path: str) -> Callable[[_hlo.Instruction], str]:
+    if path == MICRO_STEP:
+      return lambda inst: inst.branches[0]
+    if path == EMITTING:
+      return lambda inst: max(inst.branches, key=self.hlo.work)
+    raise ValueError(
+      f"`path` must be {MICRO_STEP!r} or {EMITTING!r}, got {path!r}."
+    )
+
+  def kernels(self, path: str = MICRO_STEP) -> list[Kernel]:
+    """The kernels a call runs, in schedule order.
+
+    Args:
+      path: ``"micro-step"``: branch 0 of every conditional (the holding
+        branch); ``"emitting"``: the branch of each conditional that does
+        the most work. A loop body counts once.
+    """
+    pick, out = self._pick(path), []
+
+    def visit(computation: str) -> None:
+      for inst in self.hlo.computations[computation]:
+        if inst.opcode == "conditional" and inst.branches:
+          visit(pick(inst))
+        elif inst.opcode in ("call", "while"):
+          for callee in inst.calls:
+            visit(callee)
+        elif inst.opcode not in _NOT_KERNELS and not _ASYNC_DONE.search(
+          inst.opcode
+        ):
+          out.append(self._kernel(computation, inst))
+
+    visit(self.hlo.entry)
+    return out
+
+  def kernel_bytes(self, path: str = MICRO_STEP) -> int:
+    """Operand plus result bytes of the kernels a call runs."""
+    return sum(k.bytes for k in self.kernels(path))
+
+  def copies(self, path: str = MICRO_STEP, min_bytes: int = 1) -> list[Kernel]:
+    """Copies of at least `min_bytes` (result bytes) a call runs."""
+    return [
+      k for k in self.kernels(path) if k.copy and k.result_bytes >= min_bytes
+    ]
+
+  def conditionals(self) -> int:
+    """Conditionals that run on every call (not nested in a branch)."""
+    return len(self.hlo.conditionals())
+
+  def runs_every_call(self, opcodes: Iterable[str]) -> set[str]:
+    """Computations holding one of `opcodes` that run on every call."""
+    return self.hlo.with_opcode(opcodes) & self.hlo.unconditional()
+
+  def gemms(self, result_shape: str | None = None, path: str = MICRO_STEP):
+    """GEMM kernels of a call, and whether each adds into a buffer.
+
+    Args:
+      result_shape: keep the GEMMs whose (first) result has this HLO shape,
+        without layout (``"f32[2048,2048]"``): the weight gradients of a
+        parameter of that shape.
+      path: as for :meth:`kernels`.
+
+    Returns:
+      ``[(kernel, fused)]``: `fused` when the kernel reads a buffer of its
+      result's shape, i.e. writes ``acc + dot`` in one pass.
+    """
+    out = []
+    for k in self.kernels(path):
+      if not k.gemm:
+        continue
+      result = _first_array(k.shape)
+      if result_shape is not None and result != result_shape:
+        continue
+      reads = [_first_array(s) for s in k.operand_shapes(self)]
+      out.append((k, result in reads))
+    return out
+
+  def schedule(self, computation: str | None = None) -> list[Kernel]:
+    """The kernels of one computation in schedule order (the entry by
+    default), without entering conditionals or loops."""
+    computation = computation or self.hlo.entry
+    return [
+      self._kernel(computation, inst)
+      for inst in self.hlo.computations[computation]
+      if inst.opcode not in _NOT_KERNELS and not _ASYNC_DONE.search(inst.opcode)
+    ]
+
+
+def _first_array(shape: str) -> str:
+  """``(f32[8,2]{1,0}, s8[4]{0})`` -> ``f32[8,2]``."""
+  match = re.search(r"[a-z][a-z0-9]*\[[\d,]*\]", shape)
+  return match.group() if match else ""
+
+
+# ----------------------------------------------------------------------------
+# XLA:GPU thunks.
+# ----------------------------------------------------------------------------
+
+_THUNK = re.compile(r"^(\s*)\d+: (k\w+)")
+
+
+def thunk_sequence(dump_dir: str) -> str:
+  """The final thunk sequence XLA:GPU dumped (``--xla_dump_to``), or ''.
+
+  Compile with ``compiler_options={"xla_dump_to": dump_dir}`` into an empty
+  folder, one program per folder.
+  """
+  for pattern in (
+    "*thunk_sequence_after_thunk_passes.txt",
+    "*thunk_sequence.txt",
+  ):
+    found = sorted(glob.glob(os.path.join(dump_dir, pattern)))
+    if found:
+      with open(found[-1]) as f:
+        return f.read()
+  return ""
+
+
+def conditionals_in_command_buffers(thunks: str) -> tuple[int, int]:
+  """``(conditionals, of which inside a CUDA command buffer)``.
+
+  A conditional thunk inside a command buffer is a CUDA graph conditional
+  node: the device picks the branch. Outside, the host reads the predicate
+  first, a round trip per call.
+  """
+  stack: list[tuple[int, str]] = []
+  total = inside = 0
+  for line in thunks.splitlines():
+    match = _THUNK.match(line)
+    if not match:
+      continue
+    indent, kind = len(match.group(1)), match.group(2)
+    while stack and stack[-1][0] >= indent:
+      stack.pop()
+    if kind == "kConditional":
+      total += 1
+      inside += any(k == "kCommandBuffer" for _, k in stack)
+    stack.append((indent, kind))
+  return total, inside
