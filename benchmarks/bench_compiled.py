@@ -190,8 +190,9 @@ def _update_and_apply(case: Case, tx, grads, state, params, weight):
 
 
 def _floor_step(case: Case, mesh):
-  """The gradient added into a donated accumulator: what any accumulation
-  pays at least."""
+  """The gradient added into a donated accumulator, in a step that takes
+  and returns the params (donated, untouched) as any train step does: what
+  any accumulation pays at least."""
   params, batch = _params_and_batch(case, mesh)
   acc = jax.tree.map(lambda p: _spec(mesh, p.shape, jnp.float32), params)
 
@@ -199,8 +200,11 @@ def _floor_step(case: Case, mesh):
     return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
 
   if case.engine == "local":
-    step = lambda acc, p, b: add(acc, jax.grad(loss_fn)(p, b))  # noqa: E731
-    return jax.jit(step, donate_argnums=0), (acc, params, batch)
+
+    def step(p, acc, b):
+      return p, add(acc, jax.grad(loss_fn)(p, b))
+
+    return jax.jit(step, donate_argnums=(0, 1)), (params, acc, batch)
   if case.engine == "unreduced":
     grad_fn = optax_accum.local_value_and_grad(loss_fn, axis_name=AXIS)
     acc = jax.tree.map(
@@ -209,25 +213,25 @@ def _floor_step(case: Case, mesh):
       ),
       acc,
     )
-    step = lambda acc, p, b: add(acc, grad_fn(p, b)[1])  # noqa: E731
-    return _with_mesh(mesh, jax.jit(step, donate_argnums=0)), (
-      acc,
-      params,
-      batch,
-    )
+
+    def step(p, acc, b):
+      return p, add(acc, grad_fn(p, b)[1])
+
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    return _with_mesh(mesh, jitted), (params, acc, batch)
   local = P(AXIS)  # shard_map: each device's own sum, on a device axis.
   acc = jax.tree.map(
     lambda a: _spec(mesh, (_devices(case), *a.shape), a.dtype, local), acc
   )
 
-  def body(acc, p, b):
+  def body(p, acc, b):
     grads = jax.grad(loss_fn)(lax.pcast(p, AXIS, to="varying"), b)
-    return jax.tree.map(lambda a, g: a + g[None].astype(a.dtype), acc, grads)
+    return p, jax.tree.map(lambda a, g: a + g[None].astype(a.dtype), acc, grads)
 
   step = jax.shard_map(
-    body, mesh=mesh, in_specs=(local, P(), P(AXIS)), out_specs=local
+    body, mesh=mesh, in_specs=(P(), local, P(AXIS)), out_specs=(P(), local)
   )
-  return jax.jit(step, donate_argnums=0), (acc, params, batch)
+  return jax.jit(step, donate_argnums=(0, 1)), (params, acc, batch)
 
 
 def _state_specs(tx, params, mesh):
@@ -367,6 +371,9 @@ def measure(case: Case) -> dict[str, Any]:
       ]
       for path in (_program.MICRO_STEP, _program.EMITTING)
     },
+    "held": [
+      [k.name, k.result_bytes] for k in program.held(min_bytes=leaf // 2)
+    ],
     "memory": _common.compiled_memory(compiled),
     "param_bytes": param_bytes(case),
     "accumulator_bytes": accumulator_bytes(case),
@@ -474,6 +481,7 @@ def _summary(facts: dict) -> str:
     f" micro={facts['bytes']['micro-step'] / mib:.1f}MiB"
     f" emit={facts['bytes']['emitting'] / mib:.1f}MiB"
     f" copies={len(facts['copies']['micro-step'])}"
+    f" held={len(facts['held'])}"
     f" temp={facts['memory']['temp'] / mib:.1f}MiB"
   )
 

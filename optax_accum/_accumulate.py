@@ -648,24 +648,56 @@ def _mean_gradient(acc: Any, inv_weight: jax.Array, plan: _Plan, reduction):
   return jax.tree.map(mean_leaf, acc, plan.grad_types)
 
 
-def _reduce(config, engine, plan, acc, weight, noise):
-  """The cycle's sums over `axis_name`: one reduction per accumulator leaf,
-  so that each may start as soon as its own gradient is added (the weight
-  and the noise-scale sums, scalars, in one reduction of their own)."""
+def _reduce(config, engine, plan, acc, weight, noise, per_leaf):
+  """The cycle's sums over `axis_name`.
+
+  Args:
+    per_leaf: one reduction per accumulator leaf, so that each may start as
+      soon as its own gradient is added (a static emission, where nothing
+      else orders them), the scalars in one reduction of their own.
+      Otherwise (inside the emitting branch, where everything waits for the
+      branch anyway) one reduction of all the sums: XLA would otherwise
+      join the scalars to a leaf's reduction by copying both into one
+      buffer.
+  """
   if engine.kind == _engine.SHARD_MAP:
-    acc = jax.tree.map(lambda a: lax.psum(a, config.axis_name), acc)
-    if noise is None:
-      return acc, lax.psum(weight, config.axis_name), noise
-    # The count as float32, to join the weight's all-reduce.
-    weight, sq_sum, count = lax.psum(
-      (weight, noise.sq_norm_sum, noise.count.astype(jnp.float32)),
-      config.axis_name,
-    )
-    noise = noise._replace(sq_norm_sum=sq_sum, count=count.astype(jnp.int32))
-    return acc, weight, noise
+    scalars = (weight,)
+    if noise is not None:  # The count as float32, to join the reduction.
+      scalars += (noise.sq_norm_sum, noise.count.astype(jnp.float32))
+    if per_leaf:
+      acc = jax.tree.map(lambda a: lax.psum(a, config.axis_name), acc)
+      scalars = lax.psum(scalars, config.axis_name)
+    else:
+      acc, scalars = lax.psum((acc, scalars), config.axis_name)
+    if noise is not None:
+      noise = noise._replace(
+        sq_norm_sum=scalars[1], count=scalars[2].astype(jnp.int32)
+      )
+    return acc, scalars[0], noise
   if engine.unreduced:  # The weight and the sums are global already.
     acc = _unreduced.reduce(acc, engine.axis_name, plan.reduced_specs)
   return acc, weight, noise
+
+
+def _cleared_after_reduction(engine, acc, total, cycle_end):
+  """Zeros in place of the device-local `acc` once `total`, its sum over the
+  devices, is known: read from `total`, so that the sum can be reduced in
+  place of the accumulator (reading `acc` again would keep it alive, at the
+  cost of a copy of it). See :func:`_cleared` for the select."""
+
+  def leaf(a, t):
+    zeros = jnp.where(cycle_end, jnp.zeros([], t.dtype), t)
+    if engine.kind == _engine.SHARD_MAP:
+      return _vma.vary_over(zeros, _vma.varying_axes(jax.typeof(a)))
+    if engine.unreduced:
+      typed = _unreduced.unreduced_like(zeros, a, engine.axis_name)
+      if typed is not None:
+        return typed.astype(a.dtype)
+    return engine.select(cycle_end, engine.zero(a), a)  # shapes differ
+
+  if engine.kind == _engine.LOCAL:
+    return _cleared(engine, acc, cycle_end)
+  return jax.tree.map(leaf, acc, total)
 
 
 def _fold_noise(config, noise, acc, inv_weight, weight, mean_sq):
@@ -711,22 +743,25 @@ class _Branch(NamedTuple):
   params: Any = None  # the params, with the updates applied if emitted.
 
 
-def _emission(config, engine, tx, plan, extra_args, cycle: _Cycle, checked):
+def _emission(config, engine, tx, plan, extra_args, cycle: _Cycle, static):
   """The cycle's (reduced) mean gradient through `tx`, the inner
   transformation.
 
   Args:
-    checked: the total weight is known to be positive (or NaN) here.
-      Otherwise the inner runs anyway and its result is kept only for a
-      positive total weight: selects that fuse into the inner's own
-      kernels, where a conditional would materialise the mean gradient.
+    static: the caller said this call ends the cycle (no conditional).
+
+  Unless the total weight is known to be positive (or NaN) here, the inner
+  runs anyway and its result is kept only for a positive total weight:
+  selects that fuse into the inner's own kernels, where a conditional would
+  materialise the mean gradient.
 
   Returns:
-    ``(updates, inner_state, emitted, weight, noise)``, with the cycle's
-    global weight and noise-scale sums.
+    ``(updates, inner_state, emitted, weight, noise, total)``, with the
+    cycle's global weight and noise-scale sums, and its reduced sum.
   """
+  checked = not static and engine.kind == _engine.LOCAL and plan.reuse_buffer
   acc, weight, noise = _reduce(
-    config, engine, plan, cycle.acc, cycle.weight, cycle.noise
+    config, engine, plan, cycle.acc, cycle.weight, cycle.noise, static
   )
   inv_weight = _inverse_weight(weight)
   grad = _mean_gradient(acc, inv_weight, plan, config.reduction)
@@ -744,14 +779,13 @@ def _emission(config, engine, tx, plan, extra_args, cycle: _Cycle, checked):
       inner_state,
       cycle.inner_state,
     )
-  return updates, inner_state, emitted, weight, noise
+  return updates, inner_state, emitted, weight, noise, acc
 
 
 def _emit(config, engine, tx, plan, extra_args, cycle: _Cycle) -> _Branch:
   """The emitting branch (see :func:`_enters_emitting_branch`)."""
-  checked = engine.kind == _engine.LOCAL and plan.reuse_buffer
-  updates, inner, emitted, weight, noise = _emission(
-    config, engine, tx, plan, extra_args, cycle, checked
+  updates, inner, emitted, weight, noise, total = _emission(
+    config, engine, tx, plan, extra_args, cycle, static=False
   )
   if plan.reuse_buffer:
     updates = jax.tree.map(lambda u, a: u.astype(a.dtype), updates, cycle.acc)
@@ -772,7 +806,7 @@ def _emit(config, engine, tx, plan, extra_args, cycle: _Cycle) -> _Branch:
     inner,
     emitted,
     weight,
-    _cleared(engine, cycle.acc, cycle.end),
+    _cleared_after_reduction(engine, cycle.acc, total, cycle.end),
     params,
   )
 
@@ -782,8 +816,17 @@ def _hold(plan, cycle: _Cycle) -> _Branch:
   if plan.reuse_buffer:
     held, acc, params = cycle.acc, None, None
   else:  # Unused, and dropped by XLA, when the updates are applied with
-    # optax_accum.apply_updates.
-    held = _zeros(plan.update_types, plan.reduced_specs is not None)
+    # optax_accum.apply_updates. One zero per leaf, not one merged value
+    # that each output would copy (see _cleared): `cycle.end` is false here.
+    leaves, treedef = jax.tree.flatten(plan.update_types)
+    typed = plan.reduced_specs is not None
+    held = jax.tree.unflatten(
+      treedef,
+      [
+        _zeros(t, typed) * jnp.where(cycle.end, i + 1.0, 0.0).astype(t.dtype)
+        for i, t in enumerate(leaves)
+      ],
+    )
     acc, params = cycle.acc, cycle.params
   return _Branch(
     held,
@@ -947,8 +990,8 @@ def _static_end(config, engine, inner, plan, extra_args, cycle) -> _End:
   conditional (see :func:`_emission`); the accumulator is left at zeros."""
   if cycle.noise is not None and config.axis_name is None:
     cycle = cycle._replace(mean_sq=_mean_sq_norm(cycle.acc, cycle.weight))
-  updates, inner_state, emitted, weight, noise = _emission(
-    config, engine, inner, plan, extra_args, cycle, checked=False
+  updates, inner_state, emitted, weight, noise, _ = _emission(
+    config, engine, inner, plan, extra_args, cycle, static=True
   )
   return _End(
     updates=updates,

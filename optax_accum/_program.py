@@ -22,10 +22,13 @@ an accumulation step:
 * when each reduction starts relative to the gradient GEMMs in the
   schedule (:meth:`Program.schedule`).
 
-Kernel bytes are the bytes of a kernel's operands plus its results, an upper
-bound on what it moves through memory (a fusion may read less of an operand
-than its whole shape). They are a measure of a program's structure, not a
-time.
+Kernel bytes are the bytes of a kernel's operands plus its results that live
+in the device's main memory (HBM): an upper bound on the memory traffic it
+causes (a fusion may read less of an operand than its whole shape). A TPU
+compiler prefetches operands into on-chip memory (shapes annotated
+``S(1)``): the prefetch counts its read from main memory, and the kernel
+that then reads on-chip memory adds nothing. They are a measure of a
+program's structure, not a time.
 """
 
 import dataclasses
@@ -52,6 +55,9 @@ _GEMM_TARGETS = re.compile(
   r'custom_call_target="(__cublas\$\w+|__cublas\$lt\$\w+|__onednn\$matmul)"'
 )
 _ASYNC_DONE = re.compile(r"-done$")
+# A result in another memory space than HBM (TPU memory-space assignment
+# prefetching into on-chip memory): ``f32[8]{0:T(8)S(1)}``.
+_ALTERNATE_MEMORY = re.compile(r"S\([1-9]\d*\)")
 
 MICRO_STEP, EMITTING = "micro-step", "emitting"
 
@@ -65,12 +71,16 @@ class Kernel:
     name: the instruction's name.
     opcode: its opcode (``fusion``, ``custom-call``, ``copy``, ...).
     shape: its result shape, as printed.
-    operand_bytes: bytes of its operands.
-    result_bytes: bytes of its results (for an async ``-start``, of the
-      matching ``-done``).
+    operand_bytes: main-memory bytes of its operands.
+    result_bytes: main-memory bytes of its results (for an async
+      ``-start``, of the matching ``-done``).
     gemm: whether it is a matrix multiplication (a dot, a convolution, a
       cuBLAS call, or a fusion around one).
     copy: whether it only copies (a ``copy`` op, or a fusion of copies).
+    prefetch: an asynchronous copy or slice into another memory space than
+      the device's main memory (a TPU compiler's prefetch into on-chip
+      memory): its bytes are the main-memory read.
+    held: it runs inside a conditional's holding branch (branch 0).
   """
 
   computation: str
@@ -81,6 +91,8 @@ class Kernel:
   result_bytes: int
   gemm: bool
   copy: bool
+  prefetch: bool = False
+  held: bool = False
 
   @property
   def bytes(self) -> int:
@@ -91,6 +103,23 @@ class Kernel:
     shapes = program.shapes(self.computation)
     inst = program.instruction(self.computation, self.name)
     return [shapes.get(op, "") for op in inst.operands]
+
+
+_ARRAY_WITH_LAYOUT = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\](\{[^}]*\})?")
+
+
+def main_memory_bytes(shape: str) -> int:
+  """Bytes of the arrays of an HLO shape that live in main memory (no
+  ``S(n)`` memory-space annotation in their layout, n > 0)."""
+  total = 0
+  for dtype, dims, layout in _ARRAY_WITH_LAYOUT.findall(shape):
+    if layout and _ALTERNATE_MEMORY.search(layout):
+      continue
+    size = 1
+    for d in (int(d) for d in dims.split(",") if d):
+      size *= d
+    total += size * _hlo.element_bytes(dtype)
+  return total
 
 
 def footprint(memory: Any) -> int:
@@ -157,16 +186,48 @@ class Program:
     }
     return bool(ops) and ops <= {"copy"}
 
-  def _kernel(self, computation: str, inst: _hlo.Instruction) -> Kernel:
+  def instruction_done_shape(
+    self, computation: str, inst: _hlo.Instruction
+  ) -> str:
+    """The result shape of an async ``-start``'s ``-done`` (its own result
+    also holds its operands); the instruction's own shape otherwise."""
+    if inst.opcode.endswith("-start"):
+      done = inst.opcode.removesuffix("-start") + "-done"
+      for other in self.hlo.computations[computation]:
+        if other.opcode == done and inst.name in other.operands:
+          return other.shape
+    return inst.shape
+
+  def _result_bytes(self, computation: str, inst: _hlo.Instruction) -> int:
+    """Main-memory bytes of a result (an async op's: its ``-done``'s)."""
+    return main_memory_bytes(self.instruction_done_shape(computation, inst))
+
+  def _kernel(
+    self, computation: str, inst: _hlo.Instruction, held: bool = False
+  ) -> Kernel:
+    prefetch = inst.opcode in ("copy-start", "slice-start") and bool(
+      _ALTERNATE_MEMORY.search(inst.shape)
+    )
+    shapes = self.shapes(computation)
+    if prefetch:  # It reads what it puts on chip (a slice: part of it).
+      operand_bytes = _hlo.shape_bytes(
+        self.instruction_done_shape(computation, inst)
+      )
+    else:
+      operand_bytes = sum(
+        main_memory_bytes(shapes.get(op, "")) for op in inst.operands
+      )
     return Kernel(
       computation=computation,
       name=inst.name,
       opcode=inst.opcode,
       shape=inst.shape,
-      operand_bytes=self.hlo.operand_bytes(computation, inst),
-      result_bytes=self.hlo.result_bytes(computation, inst),
+      operand_bytes=operand_bytes,
+      result_bytes=self._result_bytes(computation, inst),
       gemm=self._is_gemm(inst),
-      copy=self._is_copy(inst),
+      copy=self._is_copy(inst) and not prefetch,
+      prefetch=prefetch,
+      held=held,
     )
 
   # --- Paths. ---------------------------------------------------------------
@@ -190,24 +251,34 @@ class Program:
     """
     pick, out = self._pick(path), []
 
-    def visit(computation: str) -> None:
+    def visit(computation: str, held: bool) -> None:
       for inst in self.hlo.computations[computation]:
         if inst.opcode == "conditional" and inst.branches:
-          visit(pick(inst))
+          branch = pick(inst)
+          visit(branch, held or branch == inst.branches[0])
         elif inst.opcode in ("call", "while"):
           for callee in inst.calls:
-            visit(callee)
+            visit(callee, held)
         elif inst.opcode not in _NOT_KERNELS and not _ASYNC_DONE.search(
           inst.opcode
         ):
-          out.append(self._kernel(computation, inst))
+          out.append(self._kernel(computation, inst, held))
 
-    visit(self.hlo.entry)
+    visit(self.hlo.entry, False)
     return out
 
   def kernel_bytes(self, path: str = MICRO_STEP) -> int:
-    """Operand plus result bytes of the kernels a call runs."""
+    """Main-memory operand plus result bytes of the kernels a call runs."""
     return sum(k.bytes for k in self.kernels(path))
+
+  def held(self, min_bytes: int = 1) -> list[Kernel]:
+    """Kernels of at least `min_bytes` (result bytes) that a micro-step runs
+    inside holding branches: work a conditional does when nothing ends."""
+    return [
+      k
+      for k in self.kernels(MICRO_STEP)
+      if k.held and not k.prefetch and k.result_bytes >= min_bytes
+    ]
 
   def copies(self, path: str = MICRO_STEP, min_bytes: int = 1) -> list[Kernel]:
     """Copies of at least `min_bytes` (result bytes) a call runs."""

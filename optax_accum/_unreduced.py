@@ -214,6 +214,18 @@ def unreduced_zeros_like(
   return jnp.zeros(jnp.shape(x), dtype, out_sharding=spec)
 
 
+def unreduced_like(x: Any, like: Any, axis_name: AxisName = "data") -> Any:
+  """`x`, replicated over `axis_name`, typed as the unreduced `like`: no
+  communication (one device holds `x`, the others zeros, so the sum is
+  `x`). None where `x` is sharded over `axis_name` (FSDP), whose devices
+  then hold other shapes than `like`'s."""
+  axes = set(_axes(axis_name))
+  for entry in _parts(spec_of(x)):
+    if entry is not None and axes & set(_axes(entry)):
+      return None
+  return jax.reshard(x, spec_of(like))
+
+
 def reduced_spec(x: Any, axis_name: AxisName = "data") -> P:
   """The spec of `x` summed over `axis_name`: unreduced no more, same
   sharding over the other mesh axes, replicated over `axis_name`."""
