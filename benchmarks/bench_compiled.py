@@ -56,6 +56,27 @@ ENGINES = ("local", "shard_map", "unreduced")
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 ADAM_OPS = ("sqrt", "rsqrt")
 
+# Compiler options a case may ask for by name.
+XLA_OPTIONS = {
+  "": {},
+  # TPU: asynchronous all-reduces that start as soon as their operand is
+  # ready (without them XLA:TPU combines all reductions into one at the
+  # end, even for plain data parallelism).
+  "tpu_async": {
+    "xla_enable_async_all_reduce": True,
+    "xla_tpu_enable_async_collective_fusion": True,
+    "xla_tpu_enable_async_collective_fusion_fuse_all_reduce": True,
+    "xla_jf_crs_combiner_threshold_in_bytes": 1048576,
+  },
+  # GPU: collectives in CUDA command buffers too (off by default, which
+  # keeps a conditional holding an all-reduce out of command buffers).
+  "gpu_command_buffer_collectives": {
+    "xla_gpu_enable_command_buffer": (
+      "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,COLLECTIVES"
+    ),
+  },
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -75,6 +96,7 @@ class Case:
     skip: ``skip_nonfinite=True``.
     noise: ``track_noise_scale=True``.
     cublas: cuBLAS GEMMs instead of Triton's (H100).
+    xla: a name of :data:`XLA_OPTIONS`, compiler options to add.
   """
 
   target: str = "h100"
@@ -87,6 +109,7 @@ class Case:
   skip: bool = False
   noise: bool = False
   cublas: bool = False
+  xla: str = ""
   k: int = 8
   width: int = 2048
   layers: int = 4
@@ -321,7 +344,7 @@ class _with_mesh:
 
 
 def compiler_options(case: Case, dump_dir: str | None = None) -> dict:
-  options = {}
+  options = dict(XLA_OPTIONS[case.xla])
   if case.cublas:
     options["xla_gpu_enable_triton_gemm"] = False
   if dump_dir is not None:
@@ -393,6 +416,8 @@ def measure(case: Case) -> dict[str, Any]:
       for c in optax_accum.collectives(compiled.as_text())
     ],
   }
+  if not facts["conditionals"]:  # Where the reductions start.
+    facts["overlap"] = program.overlap(wgrad, min_bytes=leaf // 2)
   if on_gpu:
     total, inside = _program.conditionals_in_command_buffers(thunks)
     facts["command_buffer"] = {"conditionals": total, "inside": inside}

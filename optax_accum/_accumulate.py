@@ -665,8 +665,12 @@ def _reduce(config, engine, plan, acc, weight, noise, per_leaf):
     if noise is not None:  # The count as float32, to join the reduction.
       scalars += (noise.sq_norm_sum, noise.count.astype(jnp.float32))
     if per_leaf:
-      acc = jax.tree.map(lambda a: lax.psum(a, config.axis_name), acc)
-      scalars = lax.psum(scalars, config.axis_name)
+      leaves, treedef = jax.tree.flatten(acc)
+      # The scalars join one leaf's reduction as a tuple: on their own,
+      # XLA would concatenate them onto a leaf, copying it.
+      reduced = [lax.psum(a, config.axis_name) for a in leaves[:-1]]
+      last, scalars = lax.psum((leaves[-1:], scalars), config.axis_name)
+      acc = jax.tree.unflatten(treedef, reduced + last)
     else:
       acc, scalars = lax.psum((acc, scalars), config.axis_name)
     if noise is not None:
@@ -990,7 +994,7 @@ def _static_end(config, engine, inner, plan, extra_args, cycle) -> _End:
   conditional (see :func:`_emission`); the accumulator is left at zeros."""
   if cycle.noise is not None and config.axis_name is None:
     cycle = cycle._replace(mean_sq=_mean_sq_norm(cycle.acc, cycle.weight))
-  updates, inner_state, emitted, weight, noise, _ = _emission(
+  updates, inner_state, emitted, weight, noise, total = _emission(
     config, engine, inner, plan, extra_args, cycle, static=True
   )
   return _End(
@@ -998,7 +1002,9 @@ def _static_end(config, engine, inner, plan, extra_args, cycle) -> _End:
     emitted=emitted,
     new_params=None,
     # Always true, but traced: see _cleared.
-    acc=_cleared(engine, cycle.acc, cycle.micro_step >= 0),
+    acc=_cleared_after_reduction(
+      engine, cycle.acc, total, cycle.micro_step >= 0
+    ),
     acc_weight=jnp.zeros_like(cycle.weight),
     noise=noise,
     inner_state=inner_state,

@@ -318,6 +318,48 @@ class Program:
       out.append((k, result in reads))
     return out
 
+  def makes(self, inst: _hlo.Instruction, result_shape: str) -> bool:
+    """Whether `inst` is, or is a kernel around, a dot or convolution whose
+    result has `result_shape` (``f32[2048,2048]``, no layout)."""
+    if inst.opcode in _GEMM_OPCODES:
+      return _first_array(inst.shape) == result_shape
+    if _GEMM_TARGETS.search(inst.line):
+      return _first_array(inst.shape) == result_shape
+    return any(
+      i.opcode in _GEMM_OPCODES and _first_array(i.shape) == result_shape
+      for c in self._called(inst)
+      for i in self.hlo.computations[c]
+    )
+
+  def overlap(self, result_shape: str, min_bytes: int) -> dict[str, int]:
+    """How the reductions of a step without conditionals sit among the GEMMs
+    that make the gradients of shape `result_shape`, in schedule order.
+
+    A reduction starts at an ``all-reduce``/``reduce-scatter`` (or its
+    async ``-start``) of at least `min_bytes`, or at a TPU compiler's
+    ``async-collective-start``, which spreads one over the kernels that
+    follow it.
+
+    Returns:
+      ``{"gemms": n, "reductions": m, "started_before_last_gemm": j}``.
+    """
+    gemms, starts = [], []
+    for position, inst in enumerate(self.hlo.computations[self.hlo.entry]):
+      base = inst.opcode.removesuffix("-start")
+      if inst.name.startswith("async-collective-start"):
+        starts.append(position)
+      elif base in ("all-reduce", "reduce-scatter"):
+        if self._result_bytes(self.hlo.entry, inst) >= min_bytes:
+          starts.append(position)
+      elif self.makes(inst, result_shape):
+        gemms.append(position)
+    last = max(gemms, default=-1)
+    return {
+      "gemms": len(gemms),
+      "reductions": len(starts),
+      "started_before_last_gemm": sum(p < last for p in starts),
+    }
+
   def schedule(self, computation: str | None = None) -> list[Kernel]:
     """The kernels of one computation in schedule order (the entry by
     default), without entering conditionals or loops."""

@@ -1,0 +1,389 @@
+"""The programs XLA compiles for an H100, 8 H100s and a TPU v5e, held to the
+design.
+
+Compiled without the devices (deviceless AOT, ``optax_accum/_targets.py``)
+in one subprocess (``tests/_accel_worker.py``), as the steps
+``benchmarks/bench_compiled.py`` measures: 4 dense 2048-square layers, adam,
+``every_k=8``, params and state donated; the distributed engines over all
+the target's devices. Nothing runs and nothing is timed: each test reads the
+compiled program (``optax_accum/_program.py``).
+
+Each kind of check also runs on a program with a known fault planted (the
+plain ``lax.cond`` of optax_accum 0.1, a holding branch that is not branch
+0, the CPU form on an accelerator, one reduction of the whole accumulator)
+and must flag it there.
+
+The compilers come from ``make test`` (``.venv/accel``, or the folder in
+``OPTAX_ACCUM_ACCEL``); without them these tests fail, they do not skip.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ACCEL = pathlib.Path(
+  os.environ.get("OPTAX_ACCUM_ACCEL", REPO / ".venv" / "accel")
+)
+
+H100, H100X8, TPU = "h100", "h100x8", "v5e_2x2"
+ENGINES = ("shard_map", "unreduced")
+OPTIONS = {"plain": {}, "weight": {"weight": True}, "skip": {"skip": True}}
+OPTIONS["noise"] = {"noise": True}
+APPLY = {"optax": "optax", "accum": "accum"}
+
+
+def _request(plant=None, **case):
+  return {"case": case, "plant": plant}
+
+
+def _requests():
+  out = {}
+  # One H100, the local engine.
+  for dtype in ("f32", "bf16"):
+    out[f"h100/floor/{dtype}"] = _request(
+      target=H100, variant="floor", dtype=dtype
+    )
+    out[f"h100/plain/{dtype}"] = _request(
+      target=H100, variant="plain", dtype=dtype
+    )
+    for option, fields in OPTIONS.items():
+      out[f"h100/optax/{dtype}/{option}"] = _request(
+        target=H100, dtype=dtype, **fields
+      )
+    for option in ("plain", "weight"):
+      out[f"h100/accum/{dtype}/{option}"] = _request(
+        target=H100, dtype=dtype, apply="accum", **OPTIONS[option]
+      )
+  out["h100/floor/f32/cublas"] = _request(
+    target=H100, variant="floor", cublas=True
+  )
+  for option in ("plain", "weight"):
+    out[f"h100/accum/f32/{option}/cublas"] = _request(
+      target=H100, apply="accum", cublas=True, **OPTIONS[option]
+    )
+  out["h100/static-micro/f32"] = _request(
+    target=H100, apply="accum", emit="micro"
+  )
+  for plant in ("lax_cond", "holding_branch_last", "cpu_form"):
+    out[f"h100/plant/{plant}"] = _request(plant, target=H100, apply="accum")
+  # 8 H100s and a TPU v5e 2x2, both distributed engines.
+  for target in (H100X8, TPU):
+    overlap = {"xla": "tpu_async"} if target == TPU else {}
+    out[f"{target}/plain/f32"] = _request(target=target, variant="plain")
+    for engine in ENGINES:
+      key = f"{target}/{engine}"
+      common = dict(target=target, engine=engine)
+      out[f"{key}/floor/f32"] = _request(variant="floor", **common)
+      out[f"{key}/accum/f32/plain"] = _request(apply="accum", **common)
+      out[f"{key}/optax/f32/plain"] = _request(**common)
+      out[f"{key}/static-micro/f32"] = _request(
+        apply="accum", emit="micro", **common
+      )
+      out[f"{key}/static-emit/f32"] = _request(
+        apply="accum", emit="emit", **overlap, **common
+      )
+      out[f"{key}/plant/one_reduction"] = _request(
+        "one_reduction", apply="accum", emit="emit", **overlap, **common
+      )
+      if target == H100X8:
+        out[f"{key}/accum/bf16/plain"] = _request(
+          apply="accum", dtype="bf16", **common
+        )
+        out[f"{key}/accum/f32/weight"] = _request(
+          apply="accum", weight=True, **common
+        )
+        out[f"{key}/optax/f32/skip"] = _request(skip=True, **common)
+        out[f"{key}/accum/f32/plain/collectives"] = _request(
+          apply="accum", xla="gpu_command_buffer_collectives", **common
+        )
+  out[f"{H100X8}/plain/bf16"] = _request(
+    target=H100X8, variant="plain", dtype="bf16"
+  )
+  out[f"{H100X8}/shard_map/accum/f32/noise"] = _request(
+    target=H100X8, engine="shard_map", apply="accum", noise=True
+  )
+  return out
+
+
+REQUESTS = _requests()
+
+
+@pytest.fixture(scope="module")
+def facts():
+  """Every case compiled once, in a subprocess with the compilers."""
+  if not (ACCEL / "jax_plugins").is_dir() or not (ACCEL / "libtpu").is_dir():
+    pytest.fail(
+      f"No accelerator compilers in {ACCEL}: run `make test` (it installs"
+      " them), or set OPTAX_ACCUM_ACCEL to a folder holding"
+      " `pip install --no-deps --target DIR $(python -m"
+      " optax_accum._targets)`."
+    )
+  env = dict(os.environ)
+  env.update(
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=os.pathsep.join([str(ACCEL), str(REPO)]),
+    TPU_SKIP_MDS_QUERY="1",
+  )
+  with tempfile.TemporaryDirectory() as tmp:
+    requests = pathlib.Path(tmp, "requests.json")
+    out = pathlib.Path(tmp, "facts.json")
+    requests.write_text(json.dumps(REQUESTS))
+    result = subprocess.run(
+      [sys.executable, str(REPO / "tests" / "_accel_worker.py"), requests, out],
+      capture_output=True,
+      text=True,
+      env=env,
+      timeout=900,
+      check=False,
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+def keys(*patterns, plants=False):
+  """The request keys that start with one of `patterns`."""
+  return [
+    k for k in REQUESTS if k.startswith(patterns) and ("/plant/" in k) == plants
+  ]
+
+
+def _ratio(facts, key, floor_key, path="micro-step"):
+  return facts[key]["bytes"][path] / facts[floor_key]["bytes"]["micro-step"]
+
+
+def _floor_of(key):
+  target, rest = key.split("/", 1)
+  engine = rest.split("/")[0] if rest.startswith(ENGINES) else None
+  dtype = "bf16" if "/bf16" in key else "f32"
+  base = f"{target}/{engine}" if engine else target
+  return f"{base}/floor/{dtype}" + (
+    "/cublas" if key.endswith("/cublas") else ""
+  )
+
+
+def _plain_of(key):
+  target = key.split("/")[0]
+  return f"{target}/plain/{'bf16' if '/bf16' in key else 'f32'}"
+
+
+def _extra_memory(facts, key):
+  """Footprint over the plain step's, in accumulator bytes."""
+  ours, plain = facts[key], facts[_plain_of(key)]
+  extra = ours["memory"]["footprint"] - plain["memory"]["footprint"]
+  return extra / ours["accumulator_bytes"]
+
+
+# ----------------------------------------------------------------------------
+# The checks, each a function that says what is wrong (or None).
+# ----------------------------------------------------------------------------
+
+
+def inner_only_inside_a_conditional(f):
+  if f["conditionals"] < 1:
+    return "no conditional: the compiler removed it"
+  if f["adam_every_call"]:
+    return "adam's sqrt runs on every call"
+  return None
+
+
+def no_copies_on_a_micro_step(f):
+  copies = f["copies"]["micro-step"]
+  return f"parameter-sized copies on a micro-step: {copies}" if copies else None
+
+
+def at_floor(facts, key, bound):
+  ratio = _ratio(facts, key, _floor_of(key))
+  return None if ratio <= bound else f"micro-step bytes {ratio:.3f}x the floor"
+
+
+def gemms_fused(f):
+  gemms = f["wgrad_gemms"]
+  if not gemms or not all(g["fused"] for g in gemms):
+    return f"weight-gradient GEMMs that do not add in place: {gemms}"
+  return None
+
+
+def overlapped(f, at_least):
+  overlap = f["overlap"]
+  if overlap["started_before_last_gemm"] < at_least:
+    return f"reductions started before the last gradient GEMM: {overlap}"
+  return None
+
+
+# ----------------------------------------------------------------------------
+# Issue 19: the traced cycle.
+# ----------------------------------------------------------------------------
+
+TRACED = [
+  k for k in keys(H100, H100X8, TPU) if "/optax/" in k or "/accum/" in k
+]
+
+
+@pytest.mark.parametrize("key", TRACED)
+def test_inner_optimizer_runs_only_inside_a_kept_conditional(facts, key):
+  assert inner_only_inside_a_conditional(facts[key]) is None, key
+
+
+@pytest.mark.parametrize("key", TRACED)
+def test_micro_step_copies_nothing_parameter_sized(facts, key):
+  assert no_copies_on_a_micro_step(facts[key]) is None
+
+
+@pytest.mark.parametrize(
+  "key", [k for k in TRACED if "/accum/" in k or k.startswith(f"{H100}/")]
+)
+def test_holding_branches_do_nothing_parameter_sized(facts, key):
+  """With buffer reuse (one H100) or optax_accum.apply_updates, a micro-step
+  writes nothing in a conditional. The distributed engines' updates cannot
+  share the accumulator's buffer: with optax.apply_updates their holding
+  branch writes the zero updates (tested apart below)."""
+  assert facts[key]["held"] == []
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_distributed_engines_write_zero_updates_only_for_optax_apply(
+  facts, engine
+):
+  held = facts[f"{H100X8}/{engine}/optax/f32/plain"]["held"]
+  assert [b for _, b in held] == [2048 * 2048 * 4] * 4
+
+
+@pytest.mark.parametrize(
+  "key",
+  [
+    k
+    for k in TRACED
+    if not k.startswith(TPU)
+    and ("/plain" in k or "/weight" in k)
+    and "cublas" not in k
+    and "collectives" not in k
+  ],
+)
+def test_extra_memory_is_at_most_the_accumulator(facts, key):
+  """Compiled footprint minus the plain step's (plain data parallel for the
+  distributed engines) <= 1.05 x the accumulator's bytes."""
+  assert _extra_memory(facts, key) <= 1.05
+
+
+@pytest.mark.parametrize("key", keys(f"{H100}/optax", f"{H100}/accum"))
+def test_conditionals_run_inside_the_cuda_command_buffer(facts, key):
+  """No host round trip on a micro-step: CUDA graph conditional nodes."""
+  cb = facts[key]["command_buffer"]
+  assert cb["conditionals"] >= 1 and cb["inside"] == cb["conditionals"], cb
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_on_several_gpus_the_conditional_needs_collective_command_buffers(
+  facts, engine
+):
+  """XLA:GPU keeps collectives out of command buffers by default, and with
+  them the conditional that holds the all-reduce; the guide's flag puts it
+  back in. If XLA's default changes, this test says so."""
+  default = facts[f"{H100X8}/{engine}/accum/f32/plain"]["command_buffer"]
+  flagged = facts[f"{H100X8}/{engine}/accum/f32/plain/collectives"]
+  assert default["inside"] == 0 < default["conditionals"]
+  cb = flagged["command_buffer"]
+  assert cb["inside"] == cb["conditionals"] >= 1
+
+
+@pytest.mark.parametrize(
+  "key",
+  [k for k in keys(f"{H100}/accum", f"{H100X8}") if "/accum/" in k],
+)
+def test_micro_step_with_apply_updates_is_the_floor(facts, key):
+  """With optax_accum.apply_updates a micro-step moves <= 1.10x the floor's
+  kernel bytes (the gradient and its add into the accumulator)."""
+  assert at_floor(facts, key, 1.10) is None
+
+
+@pytest.mark.parametrize(
+  "key",
+  ["h100/accum/f32/plain", "h100/accum/f32/weight", "h100/optax/f32/plain"]
+  + ["h100/accum/f32/plain/cublas"],
+)
+def test_weight_gradient_gemms_add_into_the_accumulator(facts, key):
+  assert gemms_fused(facts[key]) is None
+  assert gemms_fused(facts[_floor_of(key)]) is None  # as the floor's
+
+
+def test_bf16_gemms_fuse_the_add_as_the_floor_does_not(facts):
+  """The convert between a bf16 gradient and a float32 accumulator keeps
+  the add out of the GEMM, in the floor too: nothing to lose there."""
+  for key in ("h100/accum/bf16/plain", "h100/floor/bf16"):
+    assert not any(g["fused"] for g in facts[key]["wgrad_gemms"]), key
+
+
+def test_cublas_fuses_an_unweighted_add_only(facts):
+  """cuBLAS folds ``acc + dot`` into the GEMM (beta = 1) only with a
+  constant scale: a traced weight keeps it out (Triton fuses both)."""
+  assert gemms_fused(facts["h100/accum/f32/plain/cublas"]) is None
+  assert gemms_fused(facts["h100/accum/f32/weight/cublas"]) is not None
+
+
+@pytest.mark.parametrize(
+  "key", [k for k in TRACED if k.startswith((H100X8, TPU))]
+)
+def test_one_reduction_of_the_param_bytes_in_the_emitting_branch(facts, key):
+  f = facts[key]
+  big = [c for c in f["collectives"] if c["bytes"] >= 1024]
+  assert big and all(c["where"] == "emitting" for c in big), big
+  reduced = sum(c["bytes"] for c in big if c["opcode"] == "all-reduce")
+  assert reduced == f["param_bytes"], big
+
+
+# ----------------------------------------------------------------------------
+# Issue 20: the static cycle.
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "key", [k for k in keys(H100, H100X8, TPU) if "/static-micro/" in k]
+)
+def test_static_micro_step_is_the_floor(facts, key):
+  f = facts[key]
+  assert f["conditionals"] == 0
+  assert no_copies_on_a_micro_step(f) is None
+  assert not [c for c in f["collectives"] if c["bytes"] >= 1024]
+  assert at_floor(facts, key, 1.05) is None
+
+
+@pytest.mark.parametrize(
+  "key", [k for k in keys(H100X8, TPU) if "/static-emit/" in k]
+)
+def test_static_emission_starts_reductions_during_the_backward(facts, key):
+  """All but the last leaf's reduction start before the last
+  weight-gradient GEMM (on TPU with the async collective flags)."""
+  assert facts[key]["conditionals"] == 0
+  assert overlapped(facts[key], at_least=3) is None
+
+
+# ----------------------------------------------------------------------------
+# Each check flags the fault it guards against.
+# ----------------------------------------------------------------------------
+
+
+def test_a_plain_lax_cond_is_removed_and_its_optimizer_runs_every_call(facts):
+  assert inner_only_inside_a_conditional(facts["h100/plant/lax_cond"])
+
+
+def test_a_holding_branch_that_is_not_branch_0_copies(facts):
+  assert no_copies_on_a_micro_step(facts["h100/plant/holding_branch_last"])
+
+
+def test_the_cpu_form_on_an_accelerator_keeps_the_add_out_of_the_gemm(facts):
+  assert gemms_fused(facts["h100/plant/cpu_form"])
+  assert at_floor(facts, "h100/plant/cpu_form", 1.10)
+
+
+@pytest.mark.parametrize("target", [H100X8, TPU])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_one_reduction_of_the_whole_accumulator_does_not_overlap(
+  facts, target, engine
+):
+  assert overlapped(facts[f"{target}/{engine}/plant/one_reduction"], 3)
