@@ -106,12 +106,23 @@ def parse(attributes: str) -> Groups | None:
 def group_mode(opcode: str, attributes: str) -> str:
   """How an op's group ids read (XLA's ``GetCollectiveOpGroupMode``).
 
+  Args:
+    opcode: the instruction's opcode (``all-reduce``, ``all-to-all``, ...).
+    attributes: its text after the operands (or the whole line).
+
   Returns:
     ``"cross_replica"`` (no ``channel_id``: replica ids),
     ``"cross_partition"`` (``channel_id`` on an op without
     ``use_global_device_ids``: partition ids), ``"cross_replica_and_partition"``
     (``channel_id``, ``use_global_device_ids=false``: replica ids, every
     partition of each) or ``"flattened_id"`` (both: flattened ids).
+
+  Examples:
+    >>> group_mode("all-reduce", "channel_id=1, replica_groups={{0,1}},"
+    ...            " use_global_device_ids=true")
+    'flattened_id'
+    >>> group_mode("all-to-all", "channel_id=2, replica_groups={{0,1}}")
+    'cross_partition'
   """
   if not re.search(r"\bchannel_id=", attributes):
     return "cross_replica"
