@@ -14,6 +14,9 @@ caller runs, or through a *branch* edge of a ``conditional``
 which runs only when that branch is taken. Code reachable from the entry by
 call edges alone runs on every call of the program: it is *unconditional*.
 
+A collective's device groups are read by `optax_accum._groups`, in the
+module's ids (``replica_count`` and ``num_partitions`` from its header).
+
 This module reads only what the structure tests, the benchmarks and
 `optax_accum.collectives` need; it is not a full HLO parser.
 """
@@ -21,6 +24,8 @@ This module reads only what the structure tests, the benchmarks and
 import dataclasses
 import re
 from collections.abc import Iterable
+
+from optax_accum import _groups
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
@@ -30,6 +35,7 @@ _CALL_KEYS = re.compile(
 _BRANCH_LIST = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _TRUE_FALSE = re.compile(r"\b(true|false)_computation=%?([\w.\-]+)")
 _NAME = re.compile(r"%?([\w.\-]+)")
+_MODULE_COUNT = re.compile(r"\b(replica_count|num_partitions)=(\d+)")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
 
 # Bytes per element of HLO element types; others are sized from their bits.
@@ -39,6 +45,9 @@ _ITEMSIZE = {"pred": 1, "token": 0, "s4": 1, "u4": 1, "f4e2m1fn": 1}
 FREE_OPCODES = frozenset(
   {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"}
 )
+
+# Ops that pass their operand's data on unchanged, only re-described.
+_SAME_DATA = frozenset({"bitcast", "copy", "reshape"})
 
 # Collective opcodes; an async pair ("-start" / "-done") counts once, as its
 # "-start" under the synchronous name.
@@ -106,6 +115,8 @@ class Instruction:
     branches: branch computations, in branch-index order (for a predicate
       conditional: false, then true, as ``lax.cond`` orders them).
     line: the instruction's text.
+    attributes: the text after its operands (``channel_id=1,
+      replica_groups=...``).
   """
 
   name: str
@@ -115,6 +126,12 @@ class Instruction:
   calls: tuple[str, ...]
   branches: tuple[str, ...]
   line: str
+  attributes: str = ""
+
+  @property
+  def is_root(self) -> bool:
+    """Whether it is its computation's ``ROOT``."""
+    return self.line.lstrip().startswith("ROOT ")
 
 
 def parse_instruction(line: str) -> Instruction | None:
@@ -147,7 +164,9 @@ def parse_instruction(line: str) -> Instruction | None:
   else:
     by_value = dict(_TRUE_FALSE.findall(attributes))
     branches = tuple(by_value[v] for v in ("false", "true") if v in by_value)
-  return Instruction(name, shape, opcode, operands, calls, branches, line)
+  return Instruction(
+    name, shape, opcode, operands, calls, branches, line, attributes
+  )
 
 
 def _operand_name(text: str) -> str:
@@ -196,12 +215,26 @@ class Site:
     path: the conditionals entered from the entry to it, outermost first;
       empty when the instruction runs on every call.
     in_loop: whether a ``while`` body or condition is on the way to it.
+    collective: for a fusion that is one collective (XLA:TPU's
+      reduce-scatter, see `HloModule.fused_reduce_scatters`), the collective
+      instruction inside it, which holds the op's replica groups; None
+      otherwise.
   """
 
   instruction: Instruction
   computation: str
   path: tuple[BranchStep, ...]
   in_loop: bool
+  collective: Instruction | None = None
+
+  @property
+  def opcode(self) -> str:
+    """The collective the site runs: its synchronous opcode
+    (``all-reduce-start`` -> ``all-reduce``), ``reduce-scatter`` for a
+    reduce-scatter fusion."""
+    if self.collective is not None:
+      return "reduce-scatter"
+    return self.instruction.opcode.removesuffix("-start")
 
 
 class HloModule:
@@ -210,15 +243,27 @@ class HloModule:
   Attributes:
     entry: the name of the ``ENTRY`` computation.
     computations: computation name -> its instructions, in text order.
+    replica_count: the module's replicas (``replica_count=``, default 1).
+    num_partitions: its partitions (``num_partitions=``, default 1); a
+      ``jit`` over n devices has 1 replica and n partitions.
+    fused_reduce_scatters: computation called by a ``fusion`` -> the
+      all-reduce in it, for computations that all-reduce their input and
+      return a ``dynamic-slice`` of the result (XLA:TPU's
+      ``all-reduce-scatter`` fusions, which run as one reduce-scatter).
   """
 
   def __init__(self, text: str):
     self.computations: dict[str, list[Instruction]] = {}
     self._work: dict[str, int] = {}
     self.entry: str | None = None
+    self.replica_count = self.num_partitions = 1
     current = None
     for line in text.splitlines():
-      if current is None:
+      if line.startswith("HloModule "):
+        counts = dict(_MODULE_COUNT.findall(line))
+        self.replica_count = int(counts.get("replica_count", 1))
+        self.num_partitions = int(counts.get("num_partitions", 1))
+      elif current is None:
         header = _HEADER.match(line)
         if header and line.rstrip().endswith("{"):
           current = header.group(2)
@@ -236,6 +281,38 @@ class HloModule:
         "no ENTRY computation in the HLO text: pass the text of a compiled"
         " module (`jax.jit(f).lower(*args).compile().as_text()`)."
       )
+    self.fused_reduce_scatters = {
+      callee: reduction
+      for instructions in self.computations.values()
+      for i in instructions
+      if i.opcode == "fusion"
+      for callee in i.calls
+      if (reduction := self._sliced_all_reduce(callee)) is not None
+    }
+
+  def _sliced_all_reduce(self, name: str) -> Instruction | None:
+    """The all-reduce whose result computation `name` returns a slice of.
+
+    XLA:TPU prints a reduce-scatter it runs as one op (its
+    ``SingleInputAllReduceScatterFusion`` emitter) as a fusion of an
+    all-reduce of the (padded) input and a ``dynamic-slice`` of the result:
+    read alone, the all-reduce would count the whole padded input as
+    reduced on every device.
+    """
+    if not self._known(name):
+      return None
+    body = {i.name: i for i in self.computations[name]}
+    root = next((i for i in body.values() if i.is_root), None)
+    if root is None or root.opcode != "dynamic-slice" or not root.operands:
+      return None
+    source = body.get(root.operands[0])
+    while (
+      source is not None and source.opcode in _SAME_DATA and source.operands
+    ):
+      source = body.get(source.operands[0])
+    if source is not None and source.opcode == "all-reduce":
+      return source
+    return None
 
   # --- The call graph. ------------------------------------------------------
 
@@ -325,9 +402,15 @@ class HloModule:
       if name in seen or not self._known(name):
         return
       seen = seen | {name}
+      fused = self.fused_reduce_scatters.get(name)
       for inst in self.computations[name]:
-        if inst.opcode.removesuffix("-start") in wanted:
+        # A reduce-scatter fusion is reported at the fusion, once.
+        if inst.opcode.removesuffix("-start") in wanted and inst is not fused:
           out.append(Site(inst, name, path, in_loop))
+        for callee in inst.calls if inst.opcode == "fusion" else ():
+          inner = self.fused_reduce_scatters.get(callee)
+          if inner is not None and "reduce-scatter" in wanted:
+            out.append(Site(inst, name, path, in_loop, collective=inner))
         loop = inst.opcode == "while"
         for callee in inst.calls:
           visit(callee, path, in_loop or loop, seen)
@@ -340,6 +423,49 @@ class HloModule:
 
     visit(self.entry, (), False, frozenset())
     return out
+
+  def replica_groups(self, instruction: Instruction) -> _groups.Groups:
+    """An instruction's device groups, as flattened device ids
+    (``replica * num_partitions + partition``: positions in the
+    executable's device assignment); ``()`` when it has none or they cannot
+    be read (see `optax_accum._groups`)."""
+    groups = _groups.parse(instruction.attributes)
+    if groups is None:
+      return ()
+    return _groups.device_groups(
+      groups,
+      mode=_groups.group_mode(instruction.opcode, instruction.attributes),
+      replicas=self.replica_count,
+      partitions=self.num_partitions,
+    )
+
+  def site_bytes(self, site: Site) -> tuple[int, int]:
+    """(operand bytes, result bytes) of the collective at `site`.
+
+    For a reduce-scatter fusion: the bytes of the fusion's operands that
+    reach its all-reduce (before the padding the fusion adds) and of the
+    fusion's result, the scattered shard.
+    """
+    inst, computation = site.instruction, site.computation
+    if site.collective is None:
+      return (
+        self.operand_bytes(computation, inst),
+        self.result_bytes(computation, inst),
+      )
+    callee = next(c for c in inst.calls if c in self.fused_reduce_scatters)
+    body = {i.name: i for i in self.computations[callee]}
+    shapes = {i.name: i.shape for i in self.computations[computation]}
+    operand = 0
+    for name in site.collective.operands:
+      source = body.get(name)
+      while source is not None and source.opcode in _SAME_DATA | {"pad"}:
+        source = body.get(source.operands[0]) if source.operands else None
+      if source is not None and source.opcode == "parameter":
+        index = int(source.operands[0])
+        operand += shape_bytes(shapes.get(inst.operands[index], ""))
+      else:
+        operand += shape_bytes(body[name].shape if name in body else "")
+    return operand, shape_bytes(inst.shape)
 
   def operand_bytes(self, computation: str, instruction: Instruction) -> int:
     """Bytes of an instruction's operands (their result shapes)."""
