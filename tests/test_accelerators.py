@@ -42,6 +42,12 @@ def _request(plant=None, **case):
   return {"case": case, "plant": plant}
 
 
+# XLA:TPU's compile time grows with the arrays (its memory-space
+# assignment), XLA:GPU's hardly: the TPU cases use 1024-square layers (4 MiB
+# leaves, above the 1 MiB combine threshold of the TPU flags).
+TPU_WIDTH = 1024
+
+
 def _requests():
   out = {}
   # One H100, the local engine.
@@ -74,36 +80,50 @@ def _requests():
     out[f"h100/plant/{plant}"] = _request(plant, target=H100, apply="accum")
   # 8 H100s and a TPU v5e 2x2, both distributed engines.
   for target in (H100X8, TPU):
+    size = {"width": TPU_WIDTH} if target == TPU else {}
     overlap = {"xla": "tpu_async"} if target == TPU else {}
-    out[f"{target}/plain/f32"] = _request(target=target, variant="plain")
     for engine in ENGINES:
       key = f"{target}/{engine}"
-      common = dict(target=target, engine=engine)
+      common = dict(target=target, engine=engine, **size)
       out[f"{key}/floor/f32"] = _request(variant="floor", **common)
       out[f"{key}/accum/f32/plain"] = _request(apply="accum", **common)
-      out[f"{key}/optax/f32/plain"] = _request(**common)
       out[f"{key}/static-micro/f32"] = _request(
         apply="accum", emit="micro", **common
       )
       out[f"{key}/static-emit/f32"] = _request(
         apply="accum", emit="emit", **overlap, **common
       )
-      out[f"{key}/plant/one_reduction"] = _request(
-        "one_reduction", apply="accum", emit="emit", **overlap, **common
-      )
       if target == H100X8:
+        out[f"{key}/optax/f32/plain"] = _request(**common)
         out[f"{key}/accum/bf16/plain"] = _request(
           apply="accum", dtype="bf16", **common
         )
         out[f"{key}/accum/f32/weight"] = _request(
           apply="accum", weight=True, **common
         )
-        out[f"{key}/optax/f32/skip"] = _request(skip=True, **common)
         out[f"{key}/accum/f32/plain/collectives"] = _request(
           apply="accum", xla="gpu_command_buffer_collectives", **common
         )
-  out[f"{H100X8}/plain/bf16"] = _request(
-    target=H100X8, variant="plain", dtype="bf16"
+    out[f"{target}/shard_map/plant/one_reduction"] = _request(
+      "one_reduction",
+      target=target,
+      engine="shard_map",
+      apply="accum",
+      emit="emit",
+      **size,
+      **overlap,
+    )
+  # Plain data parallel (the batch sharded, jit all-reduces the gradient).
+  for dtype in ("f32", "bf16"):
+    out[f"{H100X8}/plain/{dtype}"] = _request(
+      target=H100X8, variant="plain", engine="unreduced", dtype=dtype
+    )
+  for engine in ENGINES:
+    out[f"{H100X8}/{engine}/floor/bf16"] = _request(
+      target=H100X8, engine=engine, variant="floor", dtype="bf16"
+    )
+  out[f"{H100X8}/unreduced/optax/f32/skip"] = _request(
+    target=H100X8, engine="unreduced", skip=True
   )
   out[f"{H100X8}/shard_map/accum/f32/noise"] = _request(
     target=H100X8, engine="shard_map", apply="accum", noise=True
@@ -129,6 +149,8 @@ def facts():
     JAX_PLATFORMS="cpu",
     PYTHONPATH=os.pathsep.join([str(ACCEL), str(REPO)]),
     TPU_SKIP_MDS_QUERY="1",
+    # libtpu locks a file while loaded; other tests compile for a TPU too.
+    ALLOW_MULTIPLE_LIBTPU_LOAD="1",
   )
   with tempfile.TemporaryDirectory() as tmp:
     requests = pathlib.Path(tmp, "requests.json")
@@ -250,6 +272,7 @@ def test_holding_branches_do_nothing_parameter_sized(facts, key):
 def test_distributed_engines_write_zero_updates_only_for_optax_apply(
   facts, engine
 ):
+  """What the other tests exclude: the zero updates (and only they)."""
   held = facts[f"{H100X8}/{engine}/optax/f32/plain"]["held"]
   assert [b for _, b in held] == [2048 * 2048 * 4] * 4
 
@@ -263,6 +286,10 @@ def test_distributed_engines_write_zero_updates_only_for_optax_apply(
     and ("/plain" in k or "/weight" in k)
     and "cublas" not in k
     and "collectives" not in k
+    # Known: with bf16 params and optax.apply_updates, XLA:GPU schedules the
+    # four bf16 weight-gradient GEMMs before their (unfusable) adds, four
+    # gradients live at once: 1.37x. optax_accum.apply_updates: 1.00x.
+    and not k.startswith(f"{H100}/optax/bf16")
   ],
 )
 def test_extra_memory_is_at_most_the_accumulator(facts, key):
@@ -294,7 +321,15 @@ def test_on_several_gpus_the_conditional_needs_collective_command_buffers(
 
 @pytest.mark.parametrize(
   "key",
-  [k for k in keys(f"{H100}/accum", f"{H100X8}") if "/accum/" in k],
+  [
+    k
+    for k in keys(f"{H100}/accum", f"{H100X8}")
+    if "/accum/" in k
+    # A traced weight keeps cuBLAS from folding the add (below), and the
+    # noise scale reads each gradient whole before the add: both cost one
+    # more pass over the gradient than the floor.
+    and not k.endswith(("weight/cublas", "/noise"))
+  ],
 )
 def test_micro_step_with_apply_updates_is_the_floor(facts, key):
   """With optax_accum.apply_updates a micro-step moves <= 1.10x the floor's
@@ -333,8 +368,9 @@ def test_one_reduction_of_the_param_bytes_in_the_emitting_branch(facts, key):
   f = facts[key]
   big = [c for c in f["collectives"] if c["bytes"] >= 1024]
   assert big and all(c["where"] == "emitting" for c in big), big
+  # The accumulator's bytes (under shard_map with the weight's few bytes).
   reduced = sum(c["bytes"] for c in big if c["opcode"] == "all-reduce")
-  assert reduced == f["param_bytes"], big
+  assert 0 <= reduced - f["accumulator_bytes"] < 64, big
 
 
 # ----------------------------------------------------------------------------
@@ -382,8 +418,5 @@ def test_the_cpu_form_on_an_accelerator_keeps_the_add_out_of_the_gemm(facts):
 
 
 @pytest.mark.parametrize("target", [H100X8, TPU])
-@pytest.mark.parametrize("engine", ENGINES)
-def test_one_reduction_of_the_whole_accumulator_does_not_overlap(
-  facts, target, engine
-):
-  assert overlapped(facts[f"{target}/{engine}/plant/one_reduction"], 3)
+def test_one_reduction_of_the_whole_accumulator_does_not_overlap(facts, target):
+  assert overlapped(facts[f"{target}/shard_map/plant/one_reduction"], 3)
