@@ -97,16 +97,16 @@ def _local_step(tx, weighted):
   return step
 
 
-def _per_device_runner(tx, runner, weighted=True):
+def _per_device_runner(tx, runner, weighted=True, step=None):
   """Every device keeps its own copy of params and state (a leading device
   axis on every leaf), so the test can see that the replicas agree.
 
   `runner` is "shard_map" (jitted: eager shard_map dispatches every op of
   the step on 8 devices, tens of seconds per test; the default
   `check_vma=True`), "shard_map_no_vma" (the same with `check_vma=False`),
-  "vmap" (jitted) or "vmap_nojit".
+  "vmap" (jitted) or "vmap_nojit". `step` replaces the default micro-step.
   """
-  step = _local_step(tx, weighted)
+  step = step or _local_step(tx, weighted)
   if runner == "vmap":
     return jax.jit(jax.vmap(step, axis_name="data"))
   if runner == "vmap_nojit":
@@ -181,6 +181,49 @@ def test_axis_name_equals_global_big_batch_mean(runner, weighting):
       j = s * k + i
       params, state = step(params, state, x[j], y[j], mask[j], no_flush)
       assert bool(np.all(state.emitted == (i == k - 1)))
+    ref, ref_state = _big_batch_step(
+      ref, ref_state, inner, *(a[s * k : (s + 1) * k] for a in (x, y, mask))
+    )
+  _assert_replicas_identical(params)
+  _assert_replicas_identical(_replicated_leaves(state))
+  np.testing.assert_array_equal(state.step, steps)
+  for name in ("w", "b"):
+    np.testing.assert_allclose(params[name][0], ref[name], rtol=1e-5, atol=1e-6)
+
+
+def _static_step(tx, emit):
+  """A micro-step of the static cycle (issue 20): the host says whether the
+  call ends the cycle; optax_accum.apply_updates applies the result."""
+
+  def step(params, state, x, y, mask, flush):
+    del flush  # the runner's signature; emit= ends the cycle instead
+    grad, tokens = jax.grad(_mean_loss, has_aux=True)(params, x, y, mask)
+    updates, state = tx.update(grad, state, params, weight=tokens, emit=emit)
+    return optax_accum.apply_updates(params, updates, state), state
+
+  return step
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_static_cycle_equals_global_big_batch_mean(runner):
+  k, steps = 3, 2
+  inner = optax.sgd(0.1, momentum=0.9)
+  tx = optax_accum.accumulate(inner, k, axis_name="data")
+  run = {
+    emit: _per_device_runner(tx, runner, step=_static_step(tx, emit))
+    for emit in (False, True)
+  }
+  x, y, mask = _batches(k * steps)
+  params = _replicate(_params0())
+  state = _replicate(tx.init(_params0()))
+  no_flush = jnp.zeros(N_DEV, bool)
+  ref, ref_state = _params0(), inner.init(_params0())
+  for s in range(steps):
+    for i in range(k):
+      j = s * k + i
+      params, state = run[i == k - 1](
+        params, state, x[j], y[j], mask[j], no_flush
+      )
     ref, ref_state = _big_batch_step(
       ref, ref_state, inner, *(a[s * k : (s + 1) * k] for a in (x, y, mask))
     )

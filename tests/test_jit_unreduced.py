@@ -130,6 +130,38 @@ def test_equals_the_big_batch(layout, weighted, use_jit):
   _same_on_every_device(params)
 
 
+def _static_step(tx, grad_fn, weighted, params, state, batch, emit):
+  """One micro-batch of the static cycle (issue 20): the host says which
+  call ends it."""
+  value, grads = grad_fn(params, batch)
+  weight = value[1] if weighted else None
+  updates, state = tx.update(grads, state, params, weight=weight, emit=emit)
+  return optax_accum.apply_updates(params, updates, state), state
+
+
+@pytest.mark.parametrize("layout", ["dp", "fsdp"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "tokens"])
+def test_static_cycle_equals_the_big_batch(layout, weighted):
+  inner = optax.adam(1e-2)
+  tx = optax_accum.accumulate(inner, K, axis_name="data")
+  batches = [_make_batch(i) for i in range(STEPS * K)]
+  mesh = _mesh(layout)
+  step = jax.jit(
+    functools.partial(_static_step, tx, jax.jit(_grad_fn(weighted)), weighted),
+    static_argnames="emit",
+  )
+  with jax.set_mesh(mesh):
+    params, _ = _put(mesh, layout, _init_params(), batches[0])
+    state = tx.init(params)
+    for i, batch in enumerate(batches):
+      batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+      params, state = step(params, state, batch, emit=i % K == K - 1)
+  cycles = [range(s * K, (s + 1) * K) for s in range(STEPS)]
+  _close(params, _big_batch(inner, batches, weighted, cycles))
+  assert int(state.step) == STEPS and int(state.micro_step) == 0
+  _same_on_every_device(params)
+
+
 def test_weight_computed_from_the_sharded_batch_is_global():
   """A token count taken under plain jit from the sharded batch is the
   micro-batch's global count: the same weight the helper returns."""

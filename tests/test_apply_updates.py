@@ -1,0 +1,149 @@
+"""`optax_accum.apply_updates`: ``optax.apply_updates`` on emitting calls,
+the params untouched otherwise, with and without jit.
+
+What it compiles to (no parameter work on a micro-step) is held by
+``tests/test_accelerators.py`` and ``tests/test_performance_structure.py``;
+here, that it returns the right params in every way it can be called.
+"""
+
+import _common
+import chex
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_accum
+from optax_accum import _program
+
+
+def _run(tx, apply, calls=7, jit=True, pass_params=True, **options):
+  """`calls` steps of ``grads -> tx.update -> apply``; the params after each
+  and the updates of each."""
+  params = _common.params()
+  state = tx.init(params)
+
+  def step(params, state, grads):
+    updates, state = tx.update(
+      grads, state, params if pass_params else None, **options
+    )
+    return apply(params, updates, state), state, updates
+
+  step = jax.jit(step) if jit else step
+  history = []
+  for i in range(calls):
+    params, state, updates = step(params, state, _common.grads(i))
+    history.append((params, updates, state))
+  return history
+
+
+def _optax_apply(params, updates, state):
+  del state
+  return optax.apply_updates(params, updates)
+
+
+TRANSFORMATIONS = {
+  "adam": lambda: optax_accum.accumulate(optax.adam(0.1), 3),
+  "in_chain": lambda: optax.chain(
+    optax.clip(1.0), optax_accum.accumulate(optax.adam(0.1), 3)
+  ),
+  # The updates are transformed after accumulate: applied as given.
+  "scaled_after": lambda: optax.chain(
+    optax_accum.accumulate(optax.adam(0.1), 3), optax.scale(-2.0)
+  ),
+  # Updates of another dtype than the accumulator's (design point 2 off).
+  "bf16_accumulator": lambda: optax_accum.accumulate(
+    optax.adam(0.1), 3, accumulator_dtype=jnp.bfloat16
+  ),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["nojit", "jit"])
+@pytest.mark.parametrize("name", list(TRANSFORMATIONS))
+@pytest.mark.parametrize("pass_params", [True, False])
+def test_equals_optax_apply_updates(name, jit, pass_params):
+  ours = _run(
+    TRANSFORMATIONS[name](),
+    optax_accum.apply_updates,
+    jit=jit,
+    pass_params=pass_params,
+  )
+  theirs = _run(
+    TRANSFORMATIONS[name](), _optax_apply, jit=jit, pass_params=pass_params
+  )
+  emitted = 0
+  for (p, _, s), (q, _, _) in zip(ours, theirs, strict=True):
+    chex.assert_trees_all_equal(p, q, strict=True)
+    emitted += bool(optax_accum.has_updated(s))
+  assert emitted == 2  # calls 3 and 6 of 7
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["nojit", "jit"])
+def test_params_are_returned_untouched_on_a_micro_step(jit):
+  """Bit for bit, -0.0 included (``p + 0`` would turn it into +0.0)."""
+  tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+  params = {"w": jnp.array([-0.0, 1.0])}
+  state = tx.init(params)
+
+  def step(params, state):
+    updates, state = tx.update({"w": jnp.ones(2)}, state, params)
+    return optax_accum.apply_updates(params, updates, state), state
+
+  step = jax.jit(step) if jit else step
+  params, state = step(params, state)
+  assert np.signbit(params["w"][0]) and not optax_accum.has_updated(state)
+  params, state = step(params, state)
+  np.testing.assert_array_equal(params["w"], [-1.0, 0.0])
+
+
+def test_other_params_than_those_updated_with_are_applied_as_given():
+  tx = optax_accum.accumulate(optax.sgd(1.0), 1, skip_nonfinite=True)
+  params = {"w": jnp.zeros(2)}
+  other = {"w": jnp.full(2, 10.0)}
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, other, state):
+    updates, state = tx.update({"w": jnp.ones(2)}, state, params)
+    return optax_accum.apply_updates(other, updates, state)
+
+  np.testing.assert_array_equal(step(params, other, state)["w"], [9.0, 9.0])
+
+
+@pytest.mark.parametrize("emit", [False, True])
+def test_static_calls_apply_at_trace_time(emit):
+  """With emit= there is nothing to decide on the device: the micro-step
+  returns the very params it was given."""
+  tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+
+  def step(params, state):
+    updates, state = tx.update({"w": jnp.ones(2)}, state, params, emit=emit)
+    return optax_accum.apply_updates(params, updates, state), state
+
+  compiled = jax.jit(step).lower(params, state).compile()
+  assert _program.Program(compiled).conditionals() == 0
+  new, _ = jax.jit(step)(params, state)
+  np.testing.assert_array_equal(new["w"], [0.0, 0.0] if emit else [1.0, 1.0])
+
+
+def test_reads_the_state_inside_an_nnx_optimizer():
+  """A flax.nnx.Optimizer's opt_state holds OptArray leaves."""
+  model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+  tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  params = nnx.state(model, nnx.Param)
+  grads = jax.tree.map(jnp.ones_like, params)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  out = optax_accum.apply_updates(params, updates, optimizer.opt_state)
+  chex.assert_trees_all_equal(out, params)
+
+
+def test_without_an_accumulate_state_names_the_function():
+  with pytest.raises(TypeError, match="`apply_updates` needs an optimizer"):
+    optax_accum.apply_updates(
+      {"w": jnp.ones(2)}, {"w": jnp.ones(2)}, optax.sgd(1.0).init({})
+    )
