@@ -15,6 +15,7 @@ Usage::
   python benchmarks/bench_step.py --full     # 1 MB .. 256 MB of params
 """
 
+import argparse
 import itertools
 import math
 import sys
@@ -323,7 +324,7 @@ def ratios(rounds: dict, memory: dict, result: dict) -> tuple[dict, dict]:
 # --- Entry point. -----------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None = None) -> Any:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser = benchmark_parser(
     "Time and compiled memory of one jitted training step with"
     " optax_accum.accumulate, optax.MultiSteps, optax.apply_every, the"
