@@ -1,36 +1,13 @@
 """Cost of one training step with gradient accumulation: time and memory.
 
 For each configuration (inner optimizer, param dtype, model size, ``k``)
-this jits ``grad -> tx.update -> optax.apply_updates`` with params and state
-donated, for these transformations ``tx``:
-
-* ``floor``: the least any accumulation pays: add the gradient into an
-  accumulator, return ``where(emit, -lr * acc / k, 0)``, reset on emit (no
-  inner optimizer, no conditional);
-* ``plain``: the inner optimizer alone, on every call;
-* ``accumulate``: ``optax_accum.accumulate(inner, k)``;
-* ``accumulate+noise``: the same with ``track_noise_scale=True``;
-* ``MultiSteps``: ``optax.MultiSteps(inner, k)``;
-* ``apply_every``: ``optax.chain(inner, optax.apply_every(k))``.
-
-Each round runs whole cycles of ``k`` calls (at least 4 calls) of every
-variant, variants interleaved (the starting variant rotates); every call is
-timed on its own with ``block_until_ready`` after warm-up rounds, leaving out
-the first call of each variant's turn (cold caches). Times are medians; a
-ratio is the median over rounds of the ratio of the two variants' medians in
-that round (paired: a change of the machine's load between rounds cancels).
-The last call of a cycle is the emitting step, the others are micro-steps. Memory comes from the compiled step's ``memory_analysis()``:
-footprint = argument + temp + output - alias bytes.
-
-Targets (ratios measured in the same process):
-
-* accumulate micro-step <= 1.3x the floor's micro-step;
-* accumulate emitting step <= 1.3x the plain inner step;
-* accumulate footprint - plain footprint <= 1.05x the accumulator's bytes
-  (= the param bytes for float32 params and accumulator);
-* MultiSteps micro-step / accumulate micro-step >= 2;
-* accumulate footprint <= MultiSteps footprint;
-* accumulate+noise micro-step <= 1.3x the floor's micro-step.
+this jits ``grad -> tx.update -> optax.apply_updates``, params and state
+donated, for the ``tx`` of each variant in ``VARIANTS``; times every call
+on its own, variants interleaved in every round (`turn`); reads the
+compiled step's memory (footprint = argument + temp + output - alias
+bytes); and checks the ratios of ``TARGETS``, all measured in the same
+process (`ratios`). The last call of a cycle is the emitting step, the
+others are micro-steps.
 
 Usage::
 
@@ -39,7 +16,6 @@ Usage::
 """
 
 import argparse
-import dataclasses
 import itertools
 import math
 import sys
@@ -50,25 +26,24 @@ import jax
 import jax.numpy as jnp
 import optax
 from _common import (
-  MB,
+  Carry,
+  Run,
+  Target,
   add_run_arguments,
+  benchmark_parser,
+  check_targets,
   compiled_memory,
-  fmt,
-  fmt_spread,
-  interleaved,
-  machine_info,
-  machine_line,
-  markdown_table,
+  csv_list,
+  describe_targets,
+  int_list,
   median,
-  spread,
-  timed_call,
+  median_tree,
+  spread_tree,
+  train_step,
   tree_bytes,
-  write_outputs,
 )
-from matplotlib.figure import Figure
-from rich.console import Console
-from rich.progress import Progress
-from rich.table import Table
+from _models import make_problem
+from _report import step_console, step_figure, step_markdown
 
 import optax_accum
 
@@ -83,51 +58,29 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     optax.clip_by_global_norm(1.0), optax.adamw(LEARNING_RATE)
   ),
 }
-
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
-VARIANTS = (
-  "floor",
-  "plain",
-  "accumulate",
-  "accumulate+noise",
-  "MultiSteps",
-  "apply_every",
-)
-
-# name -> (column, description, comparison, threshold)
 TARGETS = {
-  "micro_vs_floor": (
-    "micro/floor",
-    "accumulate micro-step / floor micro-step",
-    "<=",
-    1.3,
+  "micro_vs_floor": Target(
+    "micro/floor", "accumulate micro-step / floor micro-step", "<=", 1.3
   ),
-  "emit_vs_plain": (
-    "emit/plain",
-    "accumulate emitting step / plain inner step",
-    "<=",
-    1.3,
+  "emit_vs_plain": Target(
+    "emit/plain", "accumulate emitting step / plain inner step", "<=", 1.3
   ),
-  "extra_memory": (
+  # The accumulator's bytes are the param bytes for float32 params.
+  "extra_memory": Target(
     "extra mem/acc",
     "(accumulate - plain footprint) / accumulator bytes",
     "<=",
     1.05,
   ),
-  "multisteps_speedup": (
-    "MS/acc micro",
-    "MultiSteps micro-step / accumulate micro-step",
-    ">=",
-    2.0,
+  "multisteps_speedup": Target(
+    "MS/acc micro", "MultiSteps micro-step / accumulate micro-step", ">=", 2.0
   ),
-  "memory_vs_multisteps": (
-    "mem acc/MS",
-    "accumulate footprint / MultiSteps footprint",
-    "<=",
-    1.0,
+  "memory_vs_multisteps": Target(
+    "mem acc/MS", "accumulate footprint / MultiSteps footprint", "<=", 1.0
   ),
-  "noise_micro_vs_floor": (
+  "noise_micro_vs_floor": Target(
     "noise micro/floor",
     "accumulate+noise micro-step / floor micro-step",
     "<=",
@@ -136,77 +89,26 @@ TARGETS = {
 }
 
 
-# ----------------------------------------------------------------------------
-# The model: a stack of square tanh layers, sized by its param bytes.
-# ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-  params: dict[str, jax.Array]
-  batch: tuple[jax.Array, jax.Array]
-  loss: Callable[[Any, Any], jax.Array]
-  width: int
-  layers: int
-
-
-def make_problem(
-  size_mb: float, dtype: Any, micro_batch: int, seed: int = 0
-) -> Problem:
-  """`layers` square layers of a power-of-two `width`, about `size_mb` MB."""
-  itemsize = jnp.dtype(dtype).itemsize
-  num_params = max(int(size_mb * MB) // itemsize, 64)
-  width = 8
-  while 4 * (2 * width) ** 2 <= num_params:
-    width *= 2
-  layers = max(1, num_params // width**2)
-  key = jax.random.PRNGKey(seed)
-  params = {
-    f"w{i:02d}": (
-      jax.random.normal(jax.random.fold_in(key, i), (width, width))
-      / math.sqrt(width)
-    ).astype(dtype)
-    for i in range(layers)
-  }
-  kx, ky = jax.random.split(jax.random.fold_in(key, layers))
-  batch = (
-    jax.random.normal(kx, (micro_batch, width)).astype(dtype),
-    jax.random.normal(ky, (micro_batch, width)).astype(dtype),
-  )
-
-  def loss(params, batch):
-    # Mixed precision: params (and so gradients, optimizer state and
-    # accumulator traffic) in `dtype`, matmuls in float32. XLA:CPU's bf16
-    # matmuls are slow enough to hide everything this benchmark measures.
-    h, y = (x.astype(jnp.float32) for x in batch)
-    for name in sorted(params):
-      h = jnp.tanh(h @ params[name].astype(jnp.float32))
-    return jnp.mean(jnp.square(h - y))
-
-  return Problem(params, batch, loss, width, layers)
-
-
-# ----------------------------------------------------------------------------
-# The variants.
-# ----------------------------------------------------------------------------
+# --- The variants: prepare(inner, k) -> the transformation of the step. ---
 
 
 class FloorState(NamedTuple):
-  """State of `floor`."""
+  """State of `prepare_floor`."""
 
   count: jax.Array  # int32[]
   acc: optax.Updates
 
 
-def floor(
-  k: int, learning_rate: float, accumulator_dtype: Any = jnp.float32
-) -> optax.GradientTransformation:
-  """The minimum any accumulation pays: an add, a `where`, a reset."""
+def prepare_floor(inner, k: int) -> optax.GradientTransformation:
+  """The least any accumulation pays: add the gradient into an accumulator,
+  return ``where(emit, -lr * acc / k, 0)``, reset on emit (no inner
+  optimizer, no conditional)."""
+  del inner
 
   def init(params):
     return FloorState(
       count=jnp.zeros([], jnp.int32),
-      acc=jax.tree.map(lambda p: jnp.zeros(p.shape, accumulator_dtype), params),
+      acc=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
     )
 
   def update(updates, state, params=None):
@@ -215,7 +117,7 @@ def floor(
     emit = count >= k
     acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), state.acc, updates)
     new_updates = jax.tree.map(
-      lambda a, g: jnp.where(emit, (-learning_rate / k) * a, 0).astype(g.dtype),
+      lambda a, g: jnp.where(emit, (-LEARNING_RATE / k) * a, 0).astype(g.dtype),
       acc,
       updates,
     )
@@ -225,40 +127,46 @@ def floor(
   return optax.GradientTransformation(init, update)
 
 
-def make_variants(
-  optimizer: str, k: int
-) -> dict[str, optax.GradientTransformation]:
-  inner = OPTIMIZERS[optimizer]
-  return {
-    "floor": floor(k, LEARNING_RATE),
-    "plain": inner(),
-    "accumulate": optax_accum.accumulate(inner(), k),
-    "accumulate+noise": optax_accum.accumulate(
-      inner(), k, track_noise_scale=True
-    ),
-    "MultiSteps": optax.MultiSteps(inner(), k).gradient_transformation(),
-    "apply_every": optax.chain(inner(), optax.apply_every(k)),
-  }
+def prepare_plain(inner, k: int) -> optax.GradientTransformation:
+  """The inner optimizer alone, on every call."""
+  del k
+  return inner()
 
 
-def make_step(loss: Callable, tx: optax.GradientTransformation) -> Callable:
-  """The jitted training step, params and state donated."""
-
-  def step(params, state, batch):
-    grads = jax.grad(loss)(params, batch)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return jax.jit(step, donate_argnums=(0, 1))
+def prepare_accumulate(inner, k: int) -> optax.GradientTransformation:
+  """``optax_accum.accumulate(inner, k)``."""
+  return optax_accum.accumulate(inner(), k)
 
 
-# ----------------------------------------------------------------------------
-# Measuring one configuration.
-# ----------------------------------------------------------------------------
+def prepare_noise(inner, k: int) -> optax.GradientTransformation:
+  """``optax_accum.accumulate(inner, k, track_noise_scale=True)``."""
+  return optax_accum.accumulate(inner(), k, track_noise_scale=True)
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
+def prepare_multisteps(inner, k: int) -> optax.GradientTransformation:
+  """``optax.MultiSteps(inner, k)``."""
+  return optax.MultiSteps(inner(), k).gradient_transformation()
+
+
+def prepare_apply_every(inner, k: int) -> optax.GradientTransformation:
+  """``optax.chain(inner, optax.apply_every(k))``."""
+  return optax.chain(inner(), optax.apply_every(k))
+
+
+VARIANTS = {
+  "floor": prepare_floor,
+  "plain": prepare_plain,
+  "accumulate": prepare_accumulate,
+  "accumulate+noise": prepare_noise,
+  "MultiSteps": prepare_multisteps,
+  "apply_every": prepare_apply_every,
+}
+
+
+# --- Measuring one configuration. ------------------------------------------
+
+
+class Config(NamedTuple):
   optimizer: str
   dtype: str
   size_mb: float
@@ -269,15 +177,7 @@ class Config:
     return f"{self.optimizer} {self.dtype} {self.size_mb:g}MB k={self.k}"
 
 
-def measure(
-  config: Config,
-  *,
-  micro_batch: int,
-  rounds: int,
-  warmup: int,
-  repeats: int,
-  advance: Callable[[], None] = lambda: None,
-) -> dict[str, Any]:
+def measure(config: Config, micro_batch: int, run: Run) -> dict[str, Any]:
   """Times and compiled memory of every variant for one configuration.
 
   The variants are compiled once; each repeat then times them afresh
@@ -285,153 +185,98 @@ def measure(
   over repeats, with their min-max under ``"spread"``.
   """
   problem = make_problem(config.size_mb, DTYPES[config.dtype], micro_batch)
-  runners, memory = {}, {}
-  for name, tx in make_variants(config.optimizer, config.k).items():
+  carries, memory = {}, {}
+  for name, prepare in VARIANTS.items():
+    tx = prepare(OPTIMIZERS[config.optimizer], config.k)
     params = jax.tree.map(jnp.copy, problem.params)
     state = tx.init(params)
-    compiled = (
-      make_step(problem.loss, tx).lower(params, state, problem.batch).compile()
-    )
+    step = train_step(jax.grad(problem.loss), tx)
+    compiled = step.lower(params, state, problem.batch).compile()
     memory[name] = compiled_memory(compiled)
-    runners[name] = [compiled, params, state]
-    advance()
+    carries[name] = Carry(compiled, params, state)
+    run.advance()
 
   param_bytes = tree_bytes(problem.params)
+  itemsize = jnp.dtype(DTYPES[config.dtype]).itemsize
   result = {
-    **dataclasses.asdict(config),
+    **config._asdict(),
     "width": problem.width,
     "layers": problem.layers,
     "param_bytes": param_bytes,
-    "accumulator_bytes": param_bytes
-    * 4
-    // jnp.dtype(DTYPES[config.dtype]).itemsize,
+    "accumulator_bytes": param_bytes * 4 // itemsize,
   }
-  per_repeat = []
-  for _ in range(repeats):
-    variants = time_variants(
-      runners, problem.batch, config.k, rounds, warmup, advance
-    )
-    for name, v in variants.items():
-      v["memory"] = memory[name]
-    per_repeat.append({**result, "variants": variants})
-  del runners
-
+  turns = {n: turn(n, c, config.k, problem.batch) for n, c in carries.items()}
+  # Per repeat: the times (ms), the ratios (a pair of dicts, see `ratios`).
+  repeats = [call_times(rounds, config.k) for rounds in run.rounds(turns)]
+  times_ms = [times for times, _ in repeats]
+  pairs = [ratios(rounds, memory, result) for _, rounds in repeats]
   result["variants"] = {
-    name: {
-      "memory": memory[name],
-      **{
-        what: _median_or_none([r["variants"][name][what] for r in per_repeat])
-        for what in TIMES
-      },
-    }
-    for name in memory
+    name: {"memory": memory[name], **medians}
+    for name, medians in median_tree(times_ms).items()
   }
-  repeat_ratios = [ratios(r) for r in per_repeat]
-  result["ratios"] = _median_tree(repeat_ratios)
+  result["ratios"] = median_tree([{**one, **per} for one, per in pairs])
   result["spread"] = {
-    "times_ms": {
-      name: {
-        what: spread([r["variants"][name][what] for r in per_repeat])
-        for what in TIMES
-      }
-      for name in memory
-    },
-    "ratios": {
-      name: spread([r[name] for r in repeat_ratios])
-      for name in repeat_ratios[0]
-      if not isinstance(repeat_ratios[0][name], dict)
-    },
+    "times_ms": spread_tree(times_ms),
+    "ratios": spread_tree([one for one, _ in pairs]),
   }
-  result["checks"] = checks(result["ratios"], config.k)
+  result["checks"] = check_targets(TARGETS, result["ratios"])
   return result
 
 
-TIMES = ("micro_ms", "emit_ms", "call_ms", "cycle_mean_ms")
+def turn(name: str, carry: Carry, k: int, batch: Any) -> Callable[[int], Any]:
+  """A variant's turn in a round: each call's (index, seconds).
 
-
-def _median_or_none(values):
-  kept = [v for v in values if v is not None]
-  return median(kept) if kept else None
-
-
-def _median_tree(dicts: list[dict[str, Any]]) -> dict[str, Any]:
-  """Element-wise median of dicts of numbers (or of such dicts)."""
-  out = {}
-  for key, value in dicts[0].items():
-    if isinstance(value, dict):
-      out[key] = _median_tree([d[key] for d in dicts])
-    else:
-      out[key] = _median_or_none([d[key] for d in dicts])
-  return out
-
-
-def time_variants(
-  runners: dict[str, list],
-  batch: Any,
-  k: int,
-  rounds: int,
-  warmup: int,
-  advance: Callable[[], None],
-) -> dict[str, dict[str, Any]]:
-  """One repeat: each variant's per-call times over interleaved rounds."""
-  # At least MIN_CALLS_PER_ROUND calls a variant a round (whole cycles), so
-  # that k=1 gets as many samples as k=4.
+  Every call is timed on its own (`Carry`). At least MIN_CALLS_PER_ROUND
+  calls (whole cycles), so that k=1 gets as many samples as k=4. The first
+  call finds the caches full of the previous variant's buffers: it is left
+  out of every variant's statistics.
+  """
   cycles = max(1, math.ceil(MIN_CALLS_PER_ROUND / k))
 
-  def turn(name):
-    def run(_):
-      compiled, params, state = runners[name]
-      calls = []
-      for _ in range(cycles):
-        for _ in range(k):
-          seconds, (params, state) = timed_call(compiled, params, state, batch)
-          calls.append(seconds)
-        if name.startswith("accumulate") and not bool(
-          optax_accum.has_updated(state)
-        ):
-          raise RuntimeError(f"{name}: the last call of a cycle did not emit.")
-      runners[name][1:] = [params, state]
-      # The first call of a turn finds the caches full of the previous
-      # variant's buffers: it is left out of every variant's statistics.
-      return list(enumerate(calls))[1:]
+  def one_turn(_):
+    calls = []
+    for _ in range(cycles):
+      calls += [carry(batch) for _ in range(k)]
+      _, state = carry.values
+      if name.startswith("accumulate") and not optax_accum.has_updated(state):
+        raise RuntimeError(f"{name}: the last call of a cycle did not emit.")
+    return list(enumerate(calls))[1:]
 
-    return run
+  return one_turn
 
-  turns = interleaved(
-    {name: turn(name) for name in runners},
-    rounds=rounds,
-    warmup=warmup,
-    advance=advance,
-  )
-  variants = {}
-  for name, per_turn in turns.items():
-    calls = [call for kept in per_turn for call in kept]
+
+def call_times(turns: dict[str, list], k: int) -> tuple[dict, dict]:
+  """One repeat: each variant's median times (ms), and each round's medians
+  (seconds) for ratios paired by round."""
+
+  def medians(calls):
     micro = [t for i, t in calls if i % k != k - 1]
-    variants[name] = {
-      "micro_ms": 1e3 * median(micro) if k > 1 else None,
-      "emit_ms": 1e3 * median([t for i, t in calls if i % k == k - 1]),
-      "call_ms": 1e3 * median([t for _, t in calls]),
-      "cycle_mean_ms": 1e3
-      * median([sum(t for _, t in kept) / len(kept) for kept in per_turn]),
-      # Each round's medians, for ratios paired by round.
-      "rounds": [
-        {
-          "micro": median([t for i, t in kept if i % k != k - 1])
-          if k > 1
-          else None,
-          "emit": median([t for i, t in kept if i % k == k - 1]),
-          "call": median([t for _, t in kept]),
-          "mean": sum(t for _, t in kept) / len(kept),
-        }
-        for kept in per_turn
-      ],
+    return {
+      "micro": median(micro) if k > 1 else None,
+      "emit": median([t for i, t in calls if i % k == k - 1]),
+      "call": median([t for _, t in calls]),
     }
-  return variants
+
+  times_ms, rounds = {}, {}
+  for name, per_turn in turns.items():
+    rounds[name] = [
+      {**medians(kept), "mean": sum(t for _, t in kept) / len(kept)}
+      for kept in per_turn
+    ]
+    whole = medians([call for kept in per_turn for call in kept])
+    times_ms[name] = {
+      f"{what}_ms": None if value is None else 1e3 * value
+      for what, value in whole.items()
+    }
+    times_ms[name]["cycle_mean_ms"] = 1e3 * median(
+      [r["mean"] for r in rounds[name]]
+    )
+  return times_ms, rounds
 
 
-def ratios(result: dict[str, Any]) -> dict[str, Any]:
-  """Every ratio the report shows, from one configuration's measurements."""
-  v = result["variants"]
+def ratios(rounds: dict, memory: dict, result: dict) -> tuple[dict, dict]:
+  """Every ratio the report shows, from one repeat's measurements: the
+  single ratios, and those given for every variant."""
 
   def div(a, what_a, b, what_b):
     """Median over rounds of the ratio of two variants' round medians.
@@ -441,13 +286,13 @@ def ratios(result: dict[str, Any]) -> dict[str, Any]:
     """
     pairs = [
       x[what_a] / y[what_b]
-      for x, y in zip(v[a]["rounds"], v[b]["rounds"], strict=True)
+      for x, y in zip(rounds[a], rounds[b], strict=True)
       if x[what_a] is not None and y[what_b] is not None
     ]
     return median(pairs) if pairs else None
 
-  fp = {name: x["memory"]["footprint"] for name, x in v.items()}
-  out = {
+  fp = {name: m["footprint"] for name, m in memory.items()}
+  single = {
     "micro_vs_floor": div("accumulate", "micro", "floor", "micro"),
     "emit_vs_plain": div("accumulate", "emit", "plain", "call"),
     "extra_memory": (fp["accumulate"] - fp["plain"])
@@ -463,309 +308,61 @@ def ratios(result: dict[str, Any]) -> dict[str, Any]:
       "apply_every", "micro", "accumulate", "micro"
     ),
   }
-  out["micro_vs_floor_by_variant"] = {
-    name: div(name, "micro", "floor", "micro") for name in v
+  return single, {
+    "micro_vs_floor_by_variant": {
+      name: div(name, "micro", "floor", "micro") for name in rounds
+    },
+    "emit_vs_plain_by_variant": {
+      name: div(name, "emit", "plain", "call") for name in rounds
+    },
+    "extra_memory_vs_param_bytes": {
+      name: (fp[name] - fp["plain"]) / result["param_bytes"] for name in fp
+    },
   }
-  out["emit_vs_plain_by_variant"] = {
-    name: div(name, "emit", "plain", "call") for name in v
-  }
-  out["extra_memory_vs_param_bytes"] = {
-    name: (fp[name] - fp["plain"]) / result["param_bytes"] for name in fp
-  }
-  return out
 
 
-def checks(ratio: dict[str, Any], k: int) -> dict[str, dict[str, Any]]:
-  """PASS/FAIL of each target; micro-step targets need k > 1."""
-  out = {}
-  for name, (_, what, op, threshold) in TARGETS.items():
-    value = ratio[name]
-    if value is None:
-      continue
-    passed = value <= threshold if op == "<=" else value >= threshold
-    out[name] = {
-      "what": what,
-      "value": value,
-      "target": f"{op} {threshold}",
-      "pass": bool(passed),
-    }
-  return out
-
-
-# ----------------------------------------------------------------------------
-# Reporting.
-# ----------------------------------------------------------------------------
-
-
-def _check_cell(result: dict[str, Any], name: str) -> str:
-  check = result["checks"].get(name)
-  if check is None:
-    return "-"
-  value = fmt_spread(result["spread"]["ratios"][name])
-  return f"{value} {'PASS' if check['pass'] else 'FAIL'}"
-
-
-def markdown_report(payload: dict[str, Any]) -> str:
-  results = payload["results"]
-  base = [
-    lambda r: r["optimizer"],
-    lambda r: r["dtype"],
-    lambda r: f"{r['param_bytes'] / MB:g}",
-    lambda r: r["k"],
-  ]
-  base_header = ["optimizer", "dtype", "params MB", "k"]
-
-  target_header = base_header + [
-    f"{col} ({op} {t})" for col, _, op, t in TARGETS.values()
-  ]
-  target_rows = [
-    [f(r) for f in base] + [_check_cell(r, name) for name in TARGETS]
-    for r in results
-  ]
-
-  time_header = base_header + [
-    "floor micro",
-    "plain",
-    "accumulate micro",
-    "accumulate emit",
-    "acc+noise micro",
-    "MultiSteps micro",
-    "MultiSteps emit",
-    "apply_every micro",
-    "apply_every emit",
-  ]
-  time_rows = []
-  for r in results:
-    v = r["variants"]
-    time_rows.append(
-      [f(r) for f in base]
-      + [
-        fmt(v["floor"]["micro_ms"]),
-        fmt(v["plain"]["call_ms"]),
-        fmt(v["accumulate"]["micro_ms"]),
-        fmt(v["accumulate"]["emit_ms"]),
-        fmt(v["accumulate+noise"]["micro_ms"]),
-        fmt(v["MultiSteps"]["micro_ms"]),
-        fmt(v["MultiSteps"]["emit_ms"]),
-        fmt(v["apply_every"]["micro_ms"]),
-        fmt(v["apply_every"]["emit_ms"]),
-      ]
-    )
-
-  memory_header = base_header + [
-    f"{name} footprint MB (extra / param bytes)" for name in VARIANTS
-  ]
-  memory_rows = []
-  for r in results:
-    extra = r["ratios"]["extra_memory_vs_param_bytes"]
-    memory_rows.append(
-      [f(r) for f in base]
-      + [
-        f"{r['variants'][name]['memory']['footprint'] / MB:.1f}"
-        f" ({extra[name]:+.2f})"
-        for name in VARIANTS
-      ]
-    )
-
-  num_checks = sum(len(r["checks"]) for r in results)
-  num_failed = sum(not c["pass"] for r in results for c in r["checks"].values())
-  a = payload["args"]
-  return "\n".join(
-    [
-      "# bench_step: accumulation cost per call",
-      "",
-      f"Machine: {machine_line(payload['machine'])}.",
-      "",
-      f"Model: square tanh layers, micro-batch {a['micro_batch']}."
-      f" {a['repeats']} repeats, each {a['warmup']} warm-up round(s) then"
-      f" {a['rounds']} interleaved rounds; each round runs whole cycles of"
-      " k calls (>= 4 calls) per variant, the first call of each turn left"
-      " out. Times in ms. A ratio is the median over rounds of that round's"
-      " ratio of medians; tables show the median over repeats and, in"
-      " brackets, their min-max."
-      " Footprint = argument + temp + output - alias bytes of the compiled"
-      " step.",
-      "",
-      f"**{num_checks - num_failed}/{num_checks} targets pass.**",
-      "",
-      "## Targets",
-      "",
-      "\n".join(
-        f"- {col}: {what} {op} {t}" for col, what, op, t in TARGETS.values()
-      ),
-      "",
-      markdown_table(target_header, target_rows),
-      "## Times (ms, medians)",
-      "",
-      markdown_table(time_header, time_rows),
-      "## Compiled memory",
-      "",
-      markdown_table(memory_header, memory_rows),
-    ]
-  )
-
-
-def figure(payload: dict[str, Any]) -> Any:
-  """Micro-step / floor, emitting step / plain, extra memory; vs size."""
-  results = payload["results"]
-  panels = sorted({(r["optimizer"], r["dtype"]) for r in results})
-  rows = [
-    (
-      "micro-step / floor",
-      lambda r, n: r["ratios"]["micro_vs_floor_by_variant"][n],
-      1.3,
-    ),
-    (
-      "emitting step / plain",
-      lambda r, n: r["ratios"]["emit_vs_plain_by_variant"][n],
-      1.3,
-    ),
-    (
-      "extra memory / param bytes",
-      lambda r, n: r["ratios"]["extra_memory_vs_param_bytes"][n],
-      None,
-    ),
-  ]
-  shown = ("accumulate", "accumulate+noise", "MultiSteps", "apply_every")
-  colors = dict(zip(shown, ("C0", "C1", "C3", "C2"), strict=True))
-  # Distinct markers and a small horizontal offset per variant: equal values
-  # (accumulate and accumulate+noise often coincide) stay visible.
-  markers = dict(zip(shown, ("o", "s", "^", "x"), strict=True))
-  offsets = dict(zip(shown, (0.94, 1.0, 1.06, 1.12), strict=True))
-  fig = Figure(figsize=(4.2 * len(panels), 3.2 * len(rows)))
-  axes = fig.subplots(len(rows), len(panels), squeeze=False)
-  ks = sorted({r["k"] for r in results})
-  styles = dict(zip(ks, itertools.cycle(("--", "-", ":", "-."))))
-  for col, (opt, dtype) in enumerate(panels):
-    for row, (title, value, target) in enumerate(rows):
-      ax = axes[row][col]
-      for name, k in itertools.product(shown, ks):
-        points = [
-          (r["param_bytes"] / MB, value(r, name))
-          for r in results
-          if (r["optimizer"], r["dtype"], r["k"]) == (opt, dtype, k)
-        ]
-        points = [(x, y) for x, y in points if y is not None]
-        if points:
-          xs, ys = zip(*sorted(points), strict=True)
-          ax.plot(
-            [x * offsets[name] for x in xs],
-            ys,
-            styles[k],
-            marker=markers[name],
-            markerfacecolor="none",
-            color=colors[name],
-            label=f"{name} k={k}",
-          )
-      if target is not None:
-        ax.axhline(target, color="gray", lw=0.8, ls=":")
-        ax.annotate(
-          f"target {target}",
-          (0.01, target),
-          xycoords=("axes fraction", "data"),
-          va="bottom",
-          fontsize=7,
-          color="gray",
-        )
-      ax.set_xscale("log", base=2)
-      ax.set_xlabel("params (MB)")
-      ax.set_ylabel(title)
-      ax.set_title(f"{opt}, {dtype}", fontsize=9)
-  # One legend, below the panels: it covers no data.
-  handles, labels = axes[1][0].get_legend_handles_labels()
-  fig.legend(
-    handles,
-    labels,
-    loc="lower center",
-    ncol=min(4, len(labels)),
-    fontsize=7,
-    bbox_to_anchor=(0.5, 0.0),
-  )
-  fig.suptitle(
-    f"bench_step on {payload['machine']['backend']}"
-    f" ({payload['machine']['cpu_count']} CPUs)",
-    fontsize=10,
-  )
-  fig.tight_layout(rect=(0, 0.06, 1, 1))
-  return fig
-
-
-def console_table(results: list[dict[str, Any]]) -> Table:
-  table = Table(title="accumulate vs targets (medians over repeats)")
-  table.add_column("config")
-  for col, _, op, t in TARGETS.values():
-    table.add_column(f"{col}\n{op} {t}", justify="right")
-  for r in results:
-    cells = []
-    for name in TARGETS:
-      check = r["checks"].get(name)
-      if check is None:
-        cells.append("-")
-      else:
-        color = "green" if check["pass"] else "red"
-        cells.append(f"[{color}]{check['value']:.2f}[/{color}]")
-    dtype = {"float32": "f32", "bfloat16": "bf16"}[r["dtype"]]
-    table.add_row(
-      f"{r['optimizer']} {dtype} {r['param_bytes'] / MB:g}MB k={r['k']}",
-      *cells,
-    )
-  return table
-
-
-# ----------------------------------------------------------------------------
-# Entry point.
-# ----------------------------------------------------------------------------
-
-
-def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
-  return lambda text: [kind(x) for x in text.split(",") if x]
+# --- Entry point. -----------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(
-    description=(
-      "Time and compiled memory of one jitted training step with"
-      " optax_accum.accumulate, optax.MultiSteps, optax.apply_every, the"
-      " accumulation floor and the plain optimizer; prints ratios with"
-      " PASS/FAIL against the performance targets."
-    ),
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  parser = benchmark_parser(
+    "Time and compiled memory of one jitted training step with"
+    " optax_accum.accumulate, optax.MultiSteps, optax.apply_every, the"
+    " accumulation floor and the plain optimizer; prints ratios with"
+    " PASS/FAIL against the performance targets."
   )
-  parser.add_argument(
+  add = parser.add_argument
+  add(
     "--sizes-mb",
-    type=_csv(float),
+    type=csv_list(float),
     default=list(DEFAULT_SIZES_MB),
     help="comma-separated model sizes, in MB of params (in the param dtype)",
   )
-  parser.add_argument(
+  add(
     "--full",
     action="store_true",
     help=f"the full sweep: sizes {', '.join(map(str, FULL_SIZES_MB))} MB"
     " (overrides --sizes-mb; needs several GB of RAM and tens of minutes)",
   )
-  parser.add_argument(
+  add(
     "--ks",
-    type=_csv(int),
+    type=int_list,
     default=[1, 4],
     help="comma-separated micro-steps per cycle",
   )
-  parser.add_argument(
-    "--optimizers",
-    type=_csv(str),
-    default=list(OPTIMIZERS),
-    help=f"comma-separated inner optimizers, from {list(OPTIMIZERS)}",
-  )
-  parser.add_argument(
-    "--dtypes",
-    type=_csv(str),
-    default=list(DTYPES),
-    help=f"comma-separated param dtypes, from {list(DTYPES)}",
-  )
-  parser.add_argument(
-    "--micro-batch", type=int, default=8, help="examples per micro-batch"
-  )
+  for option, choices, what in (
+    ("--optimizers", OPTIMIZERS, "inner optimizers"),
+    ("--dtypes", DTYPES, "param dtypes"),
+  ):
+    add(
+      option,
+      type=csv_list(str, list(choices)),
+      default=list(choices),
+      help=f"comma-separated {what}, from {list(choices)}",
+    )
+  add("--micro-batch", type=int, default=8, help="examples per micro-batch")
   add_run_arguments(parser, rounds=4, warmup=1, repeats=3)
-  parser.add_argument(
+  add(
     "--strict",
     action="store_true",
     help="exit with status 1 if any target fails",
@@ -773,76 +370,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   args = parser.parse_args(argv)
   if args.full:
     args.sizes_mb = list(FULL_SIZES_MB)
-  for name, given, allowed in (
-    ("--optimizers", args.optimizers, OPTIMIZERS),
-    ("--dtypes", args.dtypes, DTYPES),
-  ):
-    unknown = sorted(set(given) - set(allowed))
-    if unknown:
-      parser.error(f"{name}: unknown {unknown}, choose from {list(allowed)}")
-  if min(args.ks) < 1:
-    parser.error(f"--ks must be >= 1, got {args.ks}")
   return args
 
 
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
-  console = Console()
-  if not console.is_terminal:  # a log file: 100 columns
-    console = Console(width=100)
-  configs = [
-    Config(opt, dtype, size, k)
-    for opt, dtype, size, k in itertools.product(
-      args.optimizers, args.dtypes, args.sizes_mb, args.ks
-    )
-  ]
-  steps_per_config = len(VARIANTS) + args.repeats * (args.warmup + args.rounds)
-  results = []
-  with Progress(console=console, transient=False) as progress:
-    task = progress.add_task(
-      "bench_step", total=len(configs) * steps_per_config
-    )
+  grid = (args.optimizers, args.dtypes, args.sizes_mb, args.ks)
+  configs = list(itertools.starmap(Config, itertools.product(*grid)))
+  per_config = len(VARIANTS) + args.repeats * (args.warmup + args.rounds)
+  with Run("bench_step", args, total=len(configs) * per_config) as run:
+    results = []
     for config in configs:
-      progress.update(task, description=config.label)
-      results.append(
-        measure(
-          config,
-          micro_batch=args.micro_batch,
-          rounds=args.rounds,
-          warmup=args.warmup,
-          repeats=args.repeats,
-          advance=lambda: progress.advance(task),
-        )
-      )
-  payload = {
-    "benchmark": "bench_step",
-    "machine": machine_info(),
-    "args": vars(args),
-    "targets": {
-      name: {"what": what, "target": f"{op} {t}"}
-      for name, (_, what, op, t) in TARGETS.items()
-    },
-    "results": results,
-  }
-  console.print(console_table(results))
-  paths = write_outputs(
-    args.out,
-    "bench_step",
+      run.stage(config.label)
+      results.append(measure(config, args.micro_batch, run))
+  payload = run.payload(targets=describe_targets(TARGETS), results=results)
+  run.finish(
     payload,
-    markdown_report(payload),
-    figure(payload),
+    lambda payload: step_markdown(payload, TARGETS),
+    step_figure,
+    step_console(payload, TARGETS),
   )
-  failed = [
-    f"{r['optimizer']} {r['dtype']} {r['size_mb']:g}MB k={r['k']}: {name}"
-    for r in results
-    for name, c in r["checks"].items()
-    if not c["pass"]
-  ]
-  console.print(f"{len(failed)} target(s) failed" + (":" if failed else "."))
-  for line in failed:
-    console.print(f"  [red]{line}[/red]")
-  console.print("Wrote " + ", ".join(str(p) for p in paths))
-  return 1 if failed and args.strict else 0
+  passed = (c["pass"] for r in results for c in r["checks"].values())
+  return 1 if args.strict and not all(passed) else 0
 
 
 if __name__ == "__main__":

@@ -17,10 +17,13 @@ The learning rate follows k in every run by OLMo-core's square-root rule,
 (constant within a run for the fixed runs). Two more controller runs (in the
 default --runs) isolate its inputs: ``controller-known-w`` is told the mean
 micro-batch weight (``micro_batch_weight=``) instead of measuring it from
-the last cycle, ``controller-uncoupled`` keeps the learning rate constant. Each run draws ``current_every_k`` micro-batches per cycle, as a
-data loader would, and flushes the last partial cycle so that every run
-trains on exactly the same tokens. Held-out loss is measured at the first
-cycle end after each 1/--evals of the budget.
+the last cycle, ``controller-uncoupled`` keeps the learning rate constant.
+Each run draws ``current_every_k`` micro-batches per cycle, as a data loader
+would, and flushes the last partial cycle so that every run trains on
+exactly the same tokens. Held-out loss is measured (train.heldout_loss, the
+demo's evaluation loop) at the first cycle end after each 1/--evals of the
+budget. Settings (config.py) holds every option; adaptive_report.py writes
+the table, the notes and the plot.
 
 Writes results.json, results.md (the table) and adaptive.png to --out.
 README.md next to this file ("Adaptive batch size") discusses the results.
@@ -48,49 +51,14 @@ from flax import nnx
 
 import optax_accum
 
-from config import Config
+from adaptive_report import k_path, plot, report, summarize
+from config import BASELINE, EXTRA_RUNS, RUNS, Settings
 from input_pipeline import Samples, load_data
 from models import TransformerLM
-from train import accumulate_state, mean_token_loss, token_loss_sum
+from train import accumulate_state, heldout_loss, mean_token_loss
 
-RUNS = ("fixed-small", "fixed-large", "schedule", "controller")
-EXTRA_RUNS = ("controller-known-w", "controller-uncoupled")
-BASELINE = "fixed-large"  # the others race to its final held-out loss
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-  """Everything that determines the evaluation (one seed per entry)."""
-
-  budget: int = 1600  # micro-batches per run
-  micro_batch: int = 4  # samples per micro-batch
-  max_len: int = 128
-  d_model: int = 64
-  num_layers: int = 2
-  lr: float = 2e-3  # Adam's learning rate at k = k_small
-  k_small: int = 2
-  k_large: int = 8
-  k_max: int = 16
-  schedule: tuple[tuple[float, int], ...] = ((0.25, 4), (0.5, 8))
-  min_cycles: int = 20
-  scale: float = 1.0
-  evals: int = 16
-  heldout_samples: int = 256
-  seeds: tuple[int, ...] = (0, 1)
-  runs: tuple[str, ...] = RUNS + EXTRA_RUNS
-
-  def model_config(self, seed: int) -> Config:
-    # One "step" of the demo's Config = one micro-batch of this stream.
-    return Config(
-      steps=self.budget,
-      every_k=1,
-      micro_batch=self.micro_batch,
-      max_len=self.max_len,
-      d_model=self.d_model,
-      num_layers=self.num_layers,
-      heldout_samples=self.heldout_samples,
-      seed=seed,
-    )
+# The held-out set is evaluated this many samples at a time.
+EVAL_BATCH = 64
 
 
 def make_every_k(s: Settings, run: str, budget_tokens: float):
@@ -142,24 +110,6 @@ def micro_step(model, optimizer, tokens, lengths, flush):
   return loss, count
 
 
-@nnx.jit
-def eval_sums(model, tokens, lengths):
-  return token_loss_sum(model, tokens, lengths)
-
-
-def heldout_loss(model, samples: Samples, chunk: int = 64) -> float:
-  total, count = 0.0, 0.0
-  for start in range(0, len(samples.lengths), chunk):
-    tokens = samples.tokens[start : start + chunk]
-    lengths = samples.lengths[start : start + chunk]
-    missing = chunk - len(lengths)  # one compiled shape: pad empty rows
-    tokens = np.pad(tokens, [(0, missing), (0, 0)])
-    lengths = np.pad(lengths, [(0, missing)])
-    s, c = eval_sums(model, tokens, lengths)
-    total, count = total + float(s), count + float(c)
-  return total / count
-
-
 def micro_batch(s: Settings, train: Samples, i: int) -> Samples:
   rows = slice(i * s.micro_batch, (i + 1) * s.micro_batch)
   return Samples(train.tokens[rows], train.lengths[rows])
@@ -174,9 +124,12 @@ def train_run(s: Settings, run: str, seed: int, data) -> dict:
     model, make_tx(s, run, budget_tokens), wrt=nnx.Param
   )
   marks = [math.ceil(s.budget * (i + 1) / s.evals) for i in range(s.evals)]
-  curve = [
-    {"tokens": 0.0, "steps": 0, "heldout": heldout_loss(model, data.heldout)}
-  ]
+
+  def evaluation(tokens: float, steps: int) -> dict:
+    heldout = heldout_loss(model, data.heldout, EVAL_BATCH)
+    return {"tokens": tokens, "steps": steps, "heldout": heldout}
+
+  curve = [evaluation(0.0, 0)]
   cycles = []  # one entry per cycle end
   train_seconds = eval_seconds = 0.0
   drawn = 0
@@ -206,13 +159,7 @@ def train_run(s: Settings, run: str, seed: int, data) -> dict:
       while marks and drawn >= marks[0]:
         marks.pop(0)
       start = time.perf_counter()
-      curve.append(
-        {
-          "tokens": seen,
-          "steps": step,
-          "heldout": heldout_loss(model, data.heldout),
-        }
-      )
+      curve.append(evaluation(seen, step))
       eval_seconds += time.perf_counter() - start
   return {
     "curve": curve,
@@ -225,222 +172,6 @@ def train_run(s: Settings, run: str, seed: int, data) -> dict:
     "train_seconds": train_seconds,
     "eval_seconds": eval_seconds,
   }
-
-
-# ---------------------------------------------------------------------------
-# Summary, table, plot.
-# ---------------------------------------------------------------------------
-
-
-def reach(curve: list[dict], target: float) -> dict | None:
-  """The first evaluation at or below `target`, or None."""
-  return next((p for p in curve if p["heldout"] <= target), None)
-
-
-def summarize(runs: dict[int, dict[str, dict]]) -> None:
-  """Adds, per seed, what each run needed to reach the baseline's loss."""
-  for by_run in runs.values():
-    target = by_run[BASELINE]["final_heldout"]
-    for result in by_run.values():
-      point = reach(result["curve"], target)
-      result["target_heldout"] = target
-      result["reached"] = point is not None
-      result["tokens_to_target"] = None if point is None else point["tokens"]
-      result["steps_to_target"] = None if point is None else point["steps"]
-
-
-def k_path(result: dict) -> str:
-  ks = [c["k"] for c in result["cycles"]]
-  path = [k for i, k in enumerate(ks) if i == 0 or k != ks[i - 1]]
-  return "→".join(str(k) for k in path)
-
-
-def _per_seed(values: Sequence[str]) -> str:
-  return " / ".join(values)
-
-
-def _tokens(t: float | None) -> str:
-  return "not reached" if t is None else f"{t / 1000:.0f}k"
-
-
-def markdown_table(results: dict) -> str:
-  """The table of results.md (and of the README), from the results JSON."""
-  runs = {int(seed): by_run for seed, by_run in results["runs"].items()}
-  seeds = sorted(runs)
-  names = list(runs[seeds[0]])
-  lines = [
-    "| run | k | held-out loss | optimizer steps | tokens to reach"
-    f" {BASELINE}'s loss | steps to reach it | train wall s |",
-    "|---|---|---|---|---|---|---|",
-  ]
-  for name in names:
-    per = [runs[seed][name] for seed in seeds]
-    lines.append(
-      "| "
-      + " | ".join(
-        [
-          name,
-          _per_seed([k_path(r) for r in per]),
-          _per_seed([f"{r['final_heldout']:.4f}" for r in per]),
-          _per_seed([str(r["steps"]) for r in per]),
-          _per_seed([_tokens(r["tokens_to_target"]) for r in per]),
-          _per_seed(
-            [
-              "not reached"
-              if r["steps_to_target"] is None
-              else str(r["steps_to_target"])
-              for r in per
-            ]
-          ),
-          _per_seed([f"{r['train_seconds']:.0f}" for r in per]),
-        ]
-      )
-      + " |"
-    )
-  return "\n".join(lines)
-
-
-def decisions_table(results: dict) -> str:
-  """Every change of k by a controller: when, and what it had just read."""
-  lines = [
-    "| seed | run | k | after tokens | after steps | tokens per"
-    " micro-batch, last cycle | B_simple, tokens | B_simple / mean"
-    " micro-batch |",
-    "|---|---|---|---|---|---|---|---|",
-  ]
-  for seed, by_run in results["runs"].items():
-    for name, r in by_run.items():
-      if not name.startswith("controller"):
-        continue
-      mean_w = r["budget_tokens"] / results["settings"]["budget"]
-      c = r["cycles"]
-      for i in range(1, len(c)):
-        if c[i]["k"] == c[i - 1]["k"]:
-          continue
-        # The decision was taken at the end of cycle i - 1.
-        end, before = c[i - 1], c[i - 2] if i >= 2 else None
-        drawn = end["micro_batches"] - (
-          before["micro_batches"] if before else 0
-        )
-        weight = end["tokens"] - (before["tokens"] if before else 0.0)
-        b = end["noise_scale_tokens"]
-        lines.append(
-          f"| {seed} | {name} | {c[i - 1]['k']}→{c[i]['k']} |"
-          f" {_tokens(end['tokens'])} | {end['steps']} |"
-          f" {weight / drawn:.0f} | {b:,.0f} | {b / mean_w:.2f} |"
-        )
-  return "\n".join(lines)
-
-
-def provenance(results: dict) -> str:
-  m, s = results["machine"], results["settings"]
-  tokens = " / ".join(
-    _tokens(by_run[BASELINE]["budget_tokens"])
-    for by_run in results["runs"].values()
-  )
-  return (
-    f"{results['total_seconds']:.0f} s in all on {m['processor']}"
-    f" ({m['cpu_count']} cores, shared), {m['backend']} backend, Python"
-    f" {m['python']}, jax {m['jax']}, optax {m['optax']}, flax {m['flax']},"
-    f" numpy {m['numpy']}; {s['budget']:,} micro-batches of"
-    f" {s['micro_batch']} samples per run ({tokens} tokens), seeds"
-    f" {' / '.join(results['runs'])}"
-  )
-
-
-def report(results: dict) -> str:
-  """results.md: the table, the noise scale, the controllers' decisions."""
-  return "\n\n".join(
-    [
-      markdown_table(results),
-      noise_note(results),
-      decisions_table(results),
-      provenance(results) + ".",
-    ]
-  )
-
-
-def noise_note(results: dict) -> str:
-  """B_simple at the end of each seed's runs, in tokens and micro-batches."""
-  notes = []
-  for seed, by_run in results["runs"].items():
-    small = by_run["fixed-small"]
-    w = small["budget_tokens"] / results["settings"]["budget"]
-    b = small["cycles"][-1]["noise_scale_tokens"]
-    notes.append(
-      f"seed {seed}: B_simple ≈ {b:,.0f} tokens at the end of fixed-small"
-      f" ≈ {b / w:.1f} micro-batches of {w:.0f} tokens"
-    )
-  return "; ".join(notes) + "."
-
-
-def plot(results: dict, path: pathlib.Path) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
-  colors = dict(zip(RUNS + EXTRA_RUNS, plt.cm.tab10.colors, strict=False))
-  styles = ["-", "--", ":", "-."]
-  for n, (seed, by_run) in enumerate(results["runs"].items()):
-    style = styles[n % len(styles)]
-    for name, r in by_run.items():
-      label = f"{name} (seed {seed})"
-      for ax, x in zip(axes[:2], ("tokens", "steps"), strict=True):
-        ax.plot(
-          [p[x] for p in r["curve"][1:]],
-          [p["heldout"] for p in r["curve"][1:]],
-          style,
-          marker="o",
-          markersize=3,
-          color=colors[name],
-          label=label,
-        )
-      tokens = [c["tokens"] for c in r["cycles"]]
-      if name.startswith("controller"):
-        axes[2].plot(
-          tokens,
-          [c["k"] for c in r["cycles"]],
-          style,
-          color=colors[name],
-          label=f"{name} k (seed {seed})",
-        )
-      if name == "fixed-small":  # the estimate with the most cycles
-        w = r["budget_tokens"] / results["settings"]["budget"]
-        axes[2].plot(
-          tokens,
-          [c["noise_scale_tokens"] / w for c in r["cycles"]],
-          style,
-          color="0.5",
-          label=f"B_simple / mean micro-batch, fixed-small (seed {seed})",
-        )
-  axes[0].set(xlabel="tokens trained on", ylabel="held-out loss (nats/byte)")
-  axes[0].set_title("held-out loss vs tokens")
-  axes[1].set(xlabel="optimizer steps")
-  axes[1].set_title("held-out loss vs optimizer steps")
-  axes[2].set(xlabel="tokens trained on", ylabel="micro-batches", yscale="log")
-  axes[2].set_title("controllers' k and the noise scale")
-  # Zoom on the race to the end; the first evaluations sit far above.
-  finals = [
-    r["final_heldout"]
-    for by_run in results["runs"].values()
-    for r in by_run.values()
-  ]
-  for ax in axes[:2]:
-    ax.set_ylim(min(finals) - 0.02, max(finals) + 0.35)
-  for ax in axes:
-    ax.grid(alpha=0.3)
-  axes[0].legend(fontsize=7)
-  axes[2].legend(fontsize=7)
-  s = results["settings"]
-  fig.suptitle(
-    f"Adaptive batch size: {s['budget']} micro-batches of {s['micro_batch']}"
-    f" samples per run, lr ∝ √k; {results['machine']['processor']}"
-  )
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
 
 
 def _cpu_name() -> str:
@@ -550,23 +281,11 @@ def parse_args(
     seeds = tuple(int(x) for x in args.seeds.split(","))
   except ValueError as e:
     parser.error(f"--schedule or --seeds: {e}")
+  # Every other option is the Settings field of the same name.
+  fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)}
+  runs = tuple(args.runs.split(","))
   s = Settings(
-    budget=args.budget,
-    micro_batch=args.micro_batch,
-    max_len=args.max_len,
-    d_model=args.d_model,
-    num_layers=args.num_layers,
-    lr=args.lr,
-    k_small=args.k_small,
-    k_large=args.k_large,
-    k_max=args.k_max,
-    schedule=schedule,
-    min_cycles=args.min_cycles,
-    scale=args.scale,
-    evals=args.evals,
-    heldout_samples=args.heldout_samples,
-    seeds=seeds,
-    runs=tuple(args.runs.split(",")),
+    **(fields | {"schedule": schedule, "seeds": seeds, "runs": runs})
   )
   if min(s.budget, s.micro_batch, s.evals, s.min_cycles) < 1:
     parser.error("--budget, --micro-batch, --evals, --min-cycles must be >= 1")

@@ -129,10 +129,10 @@ def eval_sums(model, tokens, lengths):
   return token_loss_sum(model, tokens, lengths)
 
 
-def heldout_loss(cfg: Config, model: TransformerLM, samples: Samples) -> float:
-  """Mean next-byte loss over every real token of `samples`."""
+def heldout_loss(model: TransformerLM, samples: Samples, size: int) -> float:
+  """Mean next-byte loss over every real token of `samples`, evaluated
+  `size` samples at a time (the demo and adaptive.py share this loop)."""
   total, count = 0.0, 0.0
-  size = cfg.batch_size
   for start in range(0, len(samples.lengths), size):
     tokens = samples.tokens[start : start + size]
     lengths = samples.lengths[start : start + size]
@@ -235,7 +235,7 @@ def train(
     mode=mode,
     losses=np.asarray(losses),
     params=params_of(model),
-    heldout=heldout_loss(cfg, model, data.heldout),
+    heldout=heldout_loss(model, data.heldout, cfg.batch_size),
     seconds=seconds,
     tokens_per_s=tok_s,
     batch_tokens=float(np.mean(tokens)),
