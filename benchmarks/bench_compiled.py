@@ -96,6 +96,8 @@ class Case:
     skip: ``skip_nonfinite=True``.
     noise: ``track_noise_scale=True``.
     cublas: cuBLAS GEMMs instead of Triton's (H100).
+    gradients: ``accumulate(gradients=...)``: ``"sum"`` for gradients of a
+      loss summed over the micro-batch (added without a multiply).
     xla: a name of :data:`XLA_OPTIONS`, compiler options to add.
   """
 
@@ -109,6 +111,7 @@ class Case:
   skip: bool = False
   noise: bool = False
   cublas: bool = False
+  gradients: str = "mean"
   xla: str = ""
   k: int = 8
   width: int = 2048
@@ -123,6 +126,8 @@ class Case:
     parts += [
       f for f in ("weight", "skip", "noise", "cublas") if getattr(self, f)
     ]
+    parts += ["sum-gradients"] if self.gradients == "sum" else []
+    parts += [self.xla] if self.xla else []
     return "-".join(parts)
 
 
@@ -195,6 +200,7 @@ def _transformation(case: Case):
     skip_nonfinite=case.skip,
     track_noise_scale=case.noise,
     axis_name=axis,
+    gradients=case.gradients,
   )
 
 

@@ -67,6 +67,7 @@ from optax_accum._state import AccumulateState
 EveryK = int | Callable[..., Any] | _every_k.GrowEveryK
 
 _REDUCTIONS = ("mean", "sum")
+_GRADIENTS = ("mean", "sum")
 
 
 class InnerForEveryK(NamedTuple):
@@ -131,6 +132,8 @@ class _Config:
   axis_name: Hashable | None
   track_noise_scale: bool
   noise_scale_decay: float
+  gradients: str = "mean"
+  reduce_dtype: Any = None
 
 
 # ----------------------------------------------------------------------------
@@ -164,16 +167,43 @@ def _check_inner(inner: Any) -> Callable[[Any], Any]:
   return lambda k: inner
 
 
-def _check_options(reduction: Any, axis_name: Any) -> None:
+def _check_options(reduction: Any, axis_name: Any, gradients: Any) -> None:
   if reduction not in _REDUCTIONS:
     raise ValueError(
       f"`reduction` must be one of {_REDUCTIONS}, got {reduction!r}."
+    )
+  if gradients not in _GRADIENTS:
+    raise ValueError(
+      f"`gradients` must be one of {_GRADIENTS} (what each micro-batch"
+      f" gradient is over its `weight`), got {gradients!r}."
     )
   if axis_name is not None and not isinstance(axis_name, Hashable):
     raise TypeError(
       "`axis_name` must be None or a hashable axis name (str or tuple),"
       f" got {axis_name!r}."
     )
+
+
+def _check_reduce_dtype(reduce_dtype: Any, axis_name: Any) -> Any:
+  """`reduce_dtype` as a floating dtype or None; raises naming it."""
+  if reduce_dtype is None:
+    return None
+  if axis_name is None:
+    raise ValueError(
+      "`reduce_dtype` sets the dtype in which the accumulated gradient"
+      " crosses devices, which needs `axis_name`; got reduce_dtype="
+      f"{reduce_dtype!r} without an axis_name."
+    )
+  try:
+    dtype = jnp.dtype(reduce_dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+      "`reduce_dtype` must be None or a floating dtype such as"
+      f" `jnp.bfloat16`, got {reduce_dtype!r}."
+    )
+  return dtype
 
 
 # ----------------------------------------------------------------------------
@@ -446,13 +476,16 @@ def _add(
   """The new accumulator and total weight after adding `micro`."""
   acc, weight = _cycle_start(engine, state)
   keep = micro.accepted if config.skip_nonfinite else None
-  if micro.weighted:
+  scale = micro.weighted and config.gradients == "mean"
+  if scale:
     nonzero = micro.weight != 0
     keep = nonzero if keep is None else keep & nonzero
+  # gradients="sum": the gradient carries its weight already; adding it as
+  # is lets every GEMM backend fuse the add (cuBLAS only with no scale).
   add_leaf = functools.partial(
     _add_leaf,
     keep=keep,
-    weight=micro.weight if micro.weighted else None,
+    weight=micro.weight if scale else None,
     engine=engine,
   )
   acc = jax.tree.map(add_leaf, acc, micro.grads)
@@ -460,10 +493,14 @@ def _add(
 
 
 def _add_noise(
-  noise: Any, micro: _MicroBatch, stats: NoiseStats | None, fresh: jax.Array
+  noise: Any,
+  micro: _MicroBatch,
+  stats: NoiseStats | None,
+  fresh: jax.Array,
+  summed: bool,
 ) -> Any:
   """The noise-scale sums after `micro`: measured here, or by the gradient
-  helper (`stats`, unreduced engine)."""
+  helper (`stats`, unreduced engine); `summed`: gradients="sum"."""
   if noise is None:
     return None
   if stats is not None:
@@ -471,7 +508,7 @@ def _add_noise(
       noise, stats, micro.weight, micro.accepted, fresh
     )
   return _noise_scale.add_micro_batch(
-    noise, micro.grads, micro.weight, micro.accepted, fresh
+    noise, micro.grads, micro.weight, micro.accepted, fresh, summed
   )
 
 
@@ -660,6 +697,19 @@ def _reduce(config, engine, plan, acc, weight, noise, per_leaf):
       join the scalars to a leaf's reduction by copying both into one
       buffer.
   """
+  if config.reduce_dtype is not None:  # The dtype on the wire.
+    kept = jax.tree.map(lambda a: a.dtype, acc)
+    acc = jax.tree.map(lambda a: a.astype(config.reduce_dtype), acc)
+    acc, weight, noise = _reduce(
+      dataclasses.replace(config, reduce_dtype=None),
+      engine,
+      plan,
+      acc,
+      weight,
+      noise,
+      per_leaf,
+    )
+    return jax.tree.map(lambda a, d: a.astype(d), acc, kept), weight, noise
   if engine.kind == _engine.SHARD_MAP:
     scalars = (weight,)
     if noise is not None:  # The count as float32, to join the reduction.
@@ -1135,7 +1185,13 @@ def _update(
   micro = _accept(config, engine, updates, weight, flush)
   acc, total_weight = _add(config, engine, state, micro)
   micro_step = state.micro_step + micro.accepted.astype(jnp.int32)
-  noise = _add_noise(state.noise, micro, noise_stats, state.micro_step == 0)
+  noise = _add_noise(
+    state.noise,
+    micro,
+    noise_stats,
+    state.micro_step == 0,
+    config.gradients == "sum",
+  )
   plan = _plan(
     config, engine, inner, extra_args, updates, acc, state.inner_state, params
   )
@@ -1201,6 +1257,8 @@ def accumulate(
   axis_name: Hashable | None = None,
   track_noise_scale: bool = False,
   noise_scale_decay: float = 0.99,
+  gradients: str = "mean",
+  reduce_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates gradients over ``every_k`` micro-batches, then runs ``inner``.
 
@@ -1287,6 +1345,21 @@ def accumulate(
       noise_stats=True)`` returns with them.
     noise_scale_decay: Decay of the noise scale's moving averages, in
       [0, 1).
+    gradients: What each micro-batch gradient is over its ``weight``:
+      ``"mean"`` (the default: the gradient of a loss averaged over the
+      micro-batch's examples or tokens, multiplied by ``weight`` before it
+      is added) or ``"sum"`` (the gradient of a loss summed over them,
+      added as is, ``weight`` only counting toward the cycle's total). Both
+      emit the same mean gradient; ``"sum"`` needs no multiply in the add,
+      so XLA:GPU fuses the add into each weight-gradient GEMM with cuBLAS
+      too (Triton fuses both). With ``"sum"`` a micro-batch of weight 0
+      is added as is (a sum over nothing is 0; a NaN there is only dropped
+      by ``skip_nonfinite``).
+    reduce_dtype: With ``axis_name``, the dtype in which the accumulated
+      gradient crosses devices once per cycle (``None``: the accumulator's
+      own); ``jnp.bfloat16`` halves the bytes of the reduction, rounding
+      each device's partial sum to bfloat16 before they are added (XLA:CPU
+      adds them in float32).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` is
@@ -1321,7 +1394,7 @@ def accumulate(
     >>> print(u)  # -(1 * [1, 2] + 3 * [4, 8]) / 4
     [-3.25 -6.5 ]
   """
-  _check_options(reduction, axis_name)
+  _check_options(reduction, axis_name, gradients)
   track_noise_scale = _checks.boolean(track_noise_scale, "track_noise_scale")
   config = _Config(
     inner=_check_inner(inner),
@@ -1332,6 +1405,8 @@ def accumulate(
     axis_name=axis_name,
     track_noise_scale=track_noise_scale,
     noise_scale_decay=_noise_scale.check_decay(noise_scale_decay),
+    gradients=gradients,
+    reduce_dtype=_check_reduce_dtype(reduce_dtype, axis_name),
   )
   return optax.GradientTransformationExtraArgs(
     functools.partial(_init, config), functools.partial(_update, config)

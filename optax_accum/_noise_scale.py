@@ -106,10 +106,19 @@ def add_micro_batch(
   weight: jax.Array,
   accepted: jax.Array,
   fresh: jax.Array,
+  summed: bool = False,
 ) -> NoiseScaleState:
-  """Adds one micro-batch to the cycle's sums (a fresh cycle starts at 0)."""
+  """Adds one micro-batch to the cycle's sums (a fresh cycle starts at 0).
+
+  `summed`: `grads` is a sum over the micro-batch's `weight` (its mean is
+  ``grads / weight``), so its sample is :math:`|g|^2 / w`.
+  """
   counted = accepted & (weight > 0)
-  return _add_samples(noise, fresh, counted, weight * sq_norm(grads), 1)
+  if summed:
+    sample = sq_norm(grads) / jnp.where(weight > 0, weight, 1.0)
+  else:
+    sample = weight * sq_norm(grads)
+  return _add_samples(noise, fresh, counted, sample, 1)
 
 
 def add_stats(

@@ -73,6 +73,9 @@ def _requests():
     out[f"h100/accum/f32/{option}/cublas"] = _request(
       target=H100, apply="accum", cublas=True, **OPTIONS[option]
     )
+  out["h100/accum/f32/weight/cublas/sum"] = _request(
+    target=H100, apply="accum", cublas=True, weight=True, gradients="sum"
+  )
   out["h100/static-micro/f32"] = _request(
     target=H100, apply="accum", emit="micro"
   )
@@ -184,9 +187,7 @@ def _floor_of(key):
   engine = rest.split("/")[0] if rest.startswith(ENGINES) else None
   dtype = "bf16" if "/bf16" in key else "f32"
   base = f"{target}/{engine}" if engine else target
-  return f"{base}/floor/{dtype}" + (
-    "/cublas" if key.endswith("/cublas") else ""
-  )
+  return f"{base}/floor/{dtype}" + ("/cublas" if "/cublas" in key else "")
 
 
 def _plain_of(key):
@@ -354,11 +355,16 @@ def test_bf16_gemms_fuse_the_add_as_the_floor_does_not(facts):
     assert not any(g["fused"] for g in facts[key]["wgrad_gemms"]), key
 
 
-def test_cublas_fuses_an_unweighted_add_only(facts):
+def test_cublas_fuses_a_weighted_add_with_summed_gradients(facts):
   """cuBLAS folds ``acc + dot`` into the GEMM (beta = 1) only with a
-  constant scale: a traced weight keeps it out (Triton fuses both)."""
+  constant scale: a traced weight multiplying the gradient keeps it out
+  (Triton fuses both). With ``gradients="sum"`` (a loss summed over the
+  micro-batch) the weight only counts toward the total: fused again."""
   assert gemms_fused(facts["h100/accum/f32/plain/cublas"]) is None
   assert gemms_fused(facts["h100/accum/f32/weight/cublas"]) is not None
+  summed = "h100/accum/f32/weight/cublas/sum"
+  assert gemms_fused(facts[summed]) is None
+  assert at_floor(facts, summed, 1.10) is None
 
 
 @pytest.mark.parametrize(
