@@ -37,22 +37,31 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _program, _targets
+from optax_accum import _collectives as _collectives_lib
+from optax_accum import _hlo, _program, _targets
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _common  # noqa: E402
+
+# The "cpu" target's distributed engines run on 8 simulated devices (set
+# before the backend starts; the accelerator targets bring their own).
+jax.config.update("jax_num_cpu_devices", 8)
 
 AXIS = "data"
 VARIANTS = ("plain", "floor", "accumulate", "MultiSteps", "apply_every")
 APPLIES = ("optax", "accum")  # optax.apply_updates, optax_accum.apply_updates
 EMITS = ("traced", "micro", "emit")  # emit=None / False / True
-ENGINES = ("local", "shard_map", "unreduced")
+ENGINES = ("local", "shard_map", "unreduced", "hsdp")
+# HSDP: params sharded over FSDP_AXIS within a replica, replicated over
+# REPLICA_AXIS (two replicas); the reduction is deferred over REPLICA_AXIS.
+REPLICA_AXIS, FSDP_AXIS = "replica", "fsdp"
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 ADAM_OPS = ("sqrt", "rsqrt")
 
@@ -90,7 +99,11 @@ class Case:
     emit: ``"traced"`` (the default decision on the device), or the static
       cycle's ``"micro"`` (``emit=False``) or ``"emit"`` (``emit=True``).
     engine: ``"local"``, or the data-parallel ``"shard_map"`` or
-      ``"unreduced"`` (plain ``jit``) engine over all the target's devices.
+      ``"unreduced"`` (plain ``jit``) engine over all the target's devices,
+      or ``"hsdp"``: plain ``jit`` on a ``("replica", "fsdp")`` mesh of two
+      replicas, params sharded over ``"fsdp"``, deferred over ``"replica"``
+      (its ``plain`` variant is FSDP over every device, reducing every
+      call).
     dtype: the params' dtype, ``"f32"`` or ``"bf16"``.
     weight: pass ``weight=`` (traced) to ``update``.
     skip: ``skip_nonfinite=True``.
@@ -138,6 +151,9 @@ class Case:
 
 def loss_fn(params, batch):
   h, y = batch
+  if not jax.sharding.get_abstract_mesh().empty:
+    # Under an explicit mesh: FSDP's all-gather of the sharded params.
+    params = jax.tree.map(lambda w: jax.sharding.reshard(w, P()), params)
   for name in sorted(params):
     h = jnp.tanh(h @ params[name])
   return jnp.mean(jnp.square((h - y).astype(jnp.float32)))
@@ -151,6 +167,13 @@ def _devices(case: Case) -> int:
 
 def _mesh(case: Case, explicit: bool = False):
   n = _devices(case)
+  if case.engine == "hsdp":  # always explicit: unreduced over "replica"
+    shape, names = (2, n // 2), (REPLICA_AXIS, FSDP_AXIS)
+    if case.target != "cpu":
+      return _targets.mesh(case.target, shape, names, explicit=True)
+    devices = np.asarray(jax.devices()[:n]).reshape(shape)
+    types = (jax.sharding.AxisType.Explicit,) * 2
+    return jax.sharding.Mesh(devices, names, axis_types=types)
   if case.target == "cpu":
     devices = jax.devices()[:n]
     types = (jax.sharding.AxisType.Explicit,) if explicit else None
@@ -166,11 +189,14 @@ def _spec(mesh, shape, dtype, spec=None):
 def _params_and_batch(case: Case, mesh):
   dtype = DTYPES[case.dtype]
   rows = case.batch * _devices(case)
+  param_spec = P(FSDP_AXIS) if case.engine == "hsdp" else P()
   params = {
-    f"w{i}": _spec(mesh, (case.width, case.width), dtype)
+    f"w{i}": _spec(mesh, (case.width, case.width), dtype, param_spec)
     for i in range(case.layers)
   }
-  batch_spec = P(AXIS) if case.engine != "local" else P()
+  batch_spec = {"local": P(), "hsdp": P((REPLICA_AXIS, FSDP_AXIS))}.get(
+    case.engine, P(AXIS)
+  )
   batch = tuple(
     _spec(mesh, (rows, case.width), dtype, batch_spec) for _ in range(2)
   )
@@ -193,7 +219,7 @@ def _transformation(case: Case):
     return optax.MultiSteps(inner, case.k).gradient_transformation()
   if case.variant == "apply_every":
     return optax.chain(inner, optax.apply_every(case.k))
-  axis = AXIS if case.engine != "local" else None
+  axis = {"local": None, "hsdp": REPLICA_AXIS}.get(case.engine, AXIS)
   return optax_accum.accumulate(
     inner,
     case.k,
@@ -234,11 +260,15 @@ def _floor_step(case: Case, mesh):
       return p, add(acc, jax.grad(loss_fn)(p, b))
 
     return jax.jit(step, donate_argnums=(0, 1)), (params, acc, batch)
-  if case.engine == "unreduced":
-    grad_fn = optax_accum.local_value_and_grad(loss_fn, axis_name=AXIS)
+  if case.engine in ("unreduced", "hsdp"):
+    axis = REPLICA_AXIS if case.engine == "hsdp" else AXIS
+    grad_fn = optax_accum.local_value_and_grad(loss_fn, axis_name=axis)
+    parts = (FSDP_AXIS,) if case.engine == "hsdp" else ()
     acc = jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(
-        a.shape, a.dtype, sharding=NamedSharding(mesh, P(unreduced={AXIS}))
+        a.shape,
+        a.dtype,
+        sharding=NamedSharding(mesh, P(*parts, unreduced={axis})),
       ),
       acc,
     )
@@ -275,11 +305,14 @@ def build(case: Case):
   explicit = case.engine == "unreduced" and case.variant != "plain"
   mesh = _mesh(case, explicit=explicit)
   if case.variant == "floor":
-    return _floor_step(case, _mesh(case, explicit=case.engine == "unreduced"))
+    explicit = case.engine in ("unreduced", "hsdp")
+    return _floor_step(case, _mesh(case, explicit=explicit))
   params, batch = _params_and_batch(case, mesh)
   tx = _transformation(case)
   weight = _spec(mesh, (), jnp.float32)
 
+  if case.engine == "hsdp":
+    return _hsdp_step(case, mesh, tx, params, batch, weight)
   if case.engine == "local" or case.variant == "plain":
     # Plain data parallel for the distributed engines' baseline: the batch
     # is sharded, jit all-reduces the gradient on every call.
@@ -336,6 +369,30 @@ def build(case: Case):
     out_specs=(P(), specs),
   )
   return jax.jit(step, donate_argnums=(0, 1)), (params, state, batch, weight)
+
+
+def _hsdp_step(case: Case, mesh, tx, params, batch, weight):
+  """HSDP under plain ``jit``: the gradient reduce-scattered over "fsdp" on
+  every call, over "replica" deferred to the emitting call (plain: FSDP over
+  every device, reduced on every call)."""
+  with jax.set_mesh(mesh):
+    shardings = optax_accum.state_shardings(tx, params)
+  state = jax.tree.map(
+    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+    jax.eval_shape(tx.init, params),
+    shardings,
+  )
+  if case.variant == "plain":
+    grad_fn = jax.value_and_grad(loss_fn)
+  else:
+    grad_fn = optax_accum.local_value_and_grad(loss_fn, axis_name=REPLICA_AXIS)
+
+  def step(params, state, batch, weight):
+    _, grads = grad_fn(params, batch)
+    return _update_and_apply(case, tx, grads, state, params, weight)
+
+  jitted = jax.jit(step, donate_argnums=(0, 1))
+  return _with_mesh(mesh, jitted), (params, state, batch, weight)
 
 
 class _with_mesh:
@@ -411,16 +468,7 @@ def measure(case: Case) -> dict[str, Any]:
       for shape in {wgrad, f"f32[{case.width},{case.width}]"}
       for k, fused in program.gemms(shape)
     ],
-    "collectives": [
-      {
-        "opcode": c.opcode,
-        "bytes": c.bytes,
-        "where": "every call"
-        if c.unconditional
-        else ("emitting" if c.emitting else "other"),
-      }
-      for c in optax_accum.collectives(compiled.as_text())
-    ],
+    "collectives": _collectives(case, compiled),
   }
   if not facts["conditionals"]:  # Where the reductions start.
     facts["overlap"] = program.overlap(wgrad, min_bytes=leaf // 2)
@@ -428,6 +476,29 @@ def measure(case: Case) -> dict[str, Any]:
     total, inside = _program.conditionals_in_command_buffers(thunks)
     facts["command_buffer"] = {"conditionals": total, "inside": inside}
   return facts
+
+
+def _collectives(case: Case, compiled) -> list[dict[str, Any]]:
+  """Each collective: opcode, bytes on one device, where it runs (every
+  call, the emitting branch, another branch) and the mesh axes its device
+  groups span."""
+  text = compiled.as_text()
+  records = optax_accum.collectives(text)
+  mesh = _mesh(case, explicit=case.engine in ("unreduced", "hsdp"))
+  coordinates = _collectives_lib._coordinates(
+    mesh, compiled, _hlo.HloModule(text)
+  )
+  return [
+    {
+      "opcode": c.opcode,
+      "bytes": c.bytes,
+      "where": "every call"
+      if c.unconditional
+      else ("emitting" if c.emitting else "other"),
+      "axes": list(_collectives_lib._axes_of(c, mesh, coordinates)),
+    }
+    for c in records
+  ]
 
 
 def ratio(facts: dict, floor: dict, path: str = _program.MICRO_STEP) -> float:

@@ -32,6 +32,7 @@ ACCEL = pathlib.Path(
 )
 
 H100, H100X8, TPU = "h100", "h100x8", "v5e_2x2"
+TPU8 = "v5e_2x4"  # 8 chips: HSDP as 2 replicas x 4
 ENGINES = ("shard_map", "unreduced")
 OPTIONS = {"plain": {}, "weight": {"weight": True}, "skip": {"skip": True}}
 OPTIONS["noise"] = {"noise": True}
@@ -131,6 +132,16 @@ def _requests():
   out[f"{H100X8}/shard_map/accum/f32/noise"] = _request(
     target=H100X8, engine="shard_map", apply="accum", noise=True
   )
+  # Issue 21: HSDP, 2 replicas x 4 fsdp, params sharded over fsdp; "plain"
+  # is FSDP over all 8 devices, reducing every call (the check's plant).
+  for target in (H100X8, TPU8):
+    common = dict(target=target, engine="hsdp", width=TPU_WIDTH)
+    out[f"hsdp/{target}/accum"] = _request(apply="accum", **common)
+    out[f"hsdp/{target}/static-micro"] = _request(
+      apply="accum", emit="micro", **common
+    )
+    out[f"hsdp/{target}/floor"] = _request(variant="floor", **common)
+    out[f"hsdp/{target}/plant/fsdp"] = _request(variant="plain", **common)
   return out
 
 
@@ -426,3 +437,70 @@ def test_the_cpu_form_on_an_accelerator_keeps_the_add_out_of_the_gemm(facts):
 @pytest.mark.parametrize("target", [H100X8, TPU])
 def test_one_reduction_of_the_whole_accumulator_does_not_overlap(facts, target):
   assert overlapped(facts[f"{target}/shard_map/plant/one_reduction"], 3)
+
+
+# ----------------------------------------------------------------------------
+# Issue 21: HSDP.
+# ----------------------------------------------------------------------------
+
+MIB = 2**20
+
+
+def reduces_across_replicas_once(f):
+  """Per micro-step, no reduction of >= 1 MiB whose groups span "replica";
+  per cycle, one all-reduce over "replica" groups of 1/4 of the param bytes,
+  inside the emitting branch."""
+  across = [
+    c
+    for c in f["collectives"]
+    if c["opcode"] in ("all-reduce", "reduce-scatter")
+    and "replica" in c["axes"]
+    and c["bytes"] >= MIB
+  ]
+  outside = [c for c in across if c["where"] != "emitting"]
+  if outside:
+    return f"cross-replica reductions outside the emitting branch: {outside}"
+  shard = f["param_bytes"] // 4
+  if [(c["opcode"], c["bytes"]) for c in across] != [("all-reduce", shard)]:
+    return f"emitting cross-replica reductions {across}, wanted one of {shard}"
+  return None
+
+
+@pytest.mark.parametrize("target", [H100X8, TPU8])
+def test_hsdp_reduces_across_replicas_once_per_cycle(facts, target):
+  f = facts[f"hsdp/{target}/accum"]
+  assert reduces_across_replicas_once(f) is None
+  assert inner_only_inside_a_conditional(f) is None
+  # Within a replica the gradient is reduce-scattered on every call, as
+  # FSDP does (XLA:GPU and XLA:TPU: reduce-scatters over "fsdp" only).
+  within = [
+    c
+    for c in f["collectives"]
+    if c["opcode"] == "reduce-scatter" and c["where"] == "every call"
+  ]
+  assert within and all(c["axes"] == ["fsdp"] for c in within), within
+
+
+@pytest.mark.parametrize("target", [H100X8, TPU8])
+def test_hsdp_static_micro_step_is_the_floor(facts, target):
+  f = facts[f"hsdp/{target}/static-micro"]
+  assert f["conditionals"] == 0
+  assert not [
+    c for c in f["collectives"] if "replica" in c["axes"] and c["bytes"] >= MIB
+  ]
+  floor = facts[f"hsdp/{target}/floor"]["bytes"]["micro-step"]
+  assert f["bytes"]["micro-step"] / floor <= 1.05
+
+
+def test_hsdp_traced_micro_step_on_h100s_is_the_floor(facts):
+  """On TPU the traced micro-step moves more (memory-space copies around
+  the conditional, see benchmarks/README.md): the static cycle is the
+  floor there."""
+  f = facts[f"hsdp/{H100X8}/accum"]
+  floor = facts[f"hsdp/{H100X8}/floor"]["bytes"]["micro-step"]
+  assert f["bytes"]["micro-step"] / floor <= 1.05
+
+
+@pytest.mark.parametrize("target", [H100X8, TPU8])
+def test_fsdp_reducing_every_call_fails_the_hsdp_check(facts, target):
+  assert reduces_across_replicas_once(facts[f"hsdp/{target}/plant/fsdp"])
