@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 WORKER = Path(__file__).with_name("_multiprocess_worker.py")
+HSDP_WORKER = Path(__file__).with_name("_multiprocess_hsdp_worker.py")
 NUM_PROCESSES = 2
 DEVICES_PER_PROCESS = 2
 TIMEOUT_S = 240
@@ -30,18 +31,18 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _worker_env() -> dict[str, str]:
+def _worker_env(devices: int) -> dict[str, str]:
   env = dict(os.environ)
   # Replace (not extend) the 8 devices this test process was given.
-  env["XLA_FLAGS"] = (
-    f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"
-  )
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   env["JAX_PLATFORMS"] = "cpu"
   env.pop("JAX_COORDINATOR_ADDRESS", None)
   return env
 
 
-def _run_workers(tmp_path: Path) -> list[dict]:
+def _run_workers(
+  tmp_path: Path, worker: Path = WORKER, devices: int = DEVICES_PER_PROCESS
+) -> list[dict]:
   address = f"127.0.0.1:{_free_port()}"
   outs = [tmp_path / f"process_{i}.json" for i in range(NUM_PROCESSES)]
   logs = [tmp_path / f"process_{i}.log" for i in range(NUM_PROCESSES)]
@@ -53,7 +54,7 @@ def _run_workers(tmp_path: Path) -> list[dict]:
           subprocess.Popen(
             [
               sys.executable,
-              str(WORKER),
+              str(worker),
               "--coordinator",
               address,
               "--num-processes",
@@ -63,7 +64,7 @@ def _run_workers(tmp_path: Path) -> list[dict]:
               "--out",
               str(outs[i]),
             ],
-            env=_worker_env(),
+            env=_worker_env(devices),
             stdout=log,
             stderr=subprocess.STDOUT,
           )
@@ -119,4 +120,41 @@ def test_processes_agree(results, recipe):
   for name in ("w", "b"):
     np.testing.assert_array_equal(
       results[0][recipe][name], results[1][recipe][name]
+    )
+
+
+# ----------------------------------------------------------------------------
+# HSDP (issue 21): 2 processes x 4 devices, "replica" across the processes.
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hsdp_results(tmp_path_factory):
+  return _run_workers(
+    tmp_path_factory.mktemp("multiprocess_hsdp"), HSDP_WORKER, devices=4
+  )
+
+
+def test_hsdp_replicas_are_the_processes(hsdp_results):
+  for r in hsdp_results:
+    assert r["process_count"] == 2 and r["device_count"] == 8
+    assert r["replica_processes"] == [[0], [1]]
+    # The accumulator holds one fsdp shard of w per device.
+    assert r["acc_shard_bytes"] * 4 == r["param_bytes"]
+
+
+def test_hsdp_across_processes_matches_the_single_process_big_batch(
+  hsdp_results,
+):
+  """Token-weighted SGD with momentum, deferred across the processes and
+  reduce-scattered within each: the single-process big-batch params."""
+  for r in hsdp_results:
+    assert r["hsdp_step"] == 2
+    for name in ("w", "b"):
+      np.testing.assert_allclose(
+        r["hsdp"][name], r["reference"][name], rtol=1e-5, atol=1e-6
+      )
+  for name in ("w", "b"):
+    np.testing.assert_array_equal(
+      hsdp_results[0]["hsdp"][name], hsdp_results[1]["hsdp"][name]
     )
