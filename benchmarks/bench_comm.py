@@ -36,9 +36,17 @@ On simulated CPU devices an all-reduce is a memory copy inside one process,
 so times say little about a real interconnect: the bytes are the portable
 result.
 
+Then, with params sharded (``benchmarks/_comm_sharded.py``): FSDP reducing
+every call, 1-D FSDP deferred and HSDP deferred, float32 and bfloat16 on
+the wire, bytes per optimizer step per mesh axis, compiled for
+``--sharded-targets`` (8 simulated CPU devices, and without the devices 8
+H100s and a TPU v5e 2x4 when the accelerator compilers are on the path, as
+``make bench`` puts them; nothing timed).
+
 Usage::
 
   python benchmarks/bench_comm.py                 # a few minutes
+  JAX_PLATFORMS=cpu PYTHONPATH=.venv/accel python benchmarks/bench_comm.py
   python benchmarks/bench_comm.py --width 2048 --ks 1,4,16,64
 """
 
@@ -48,6 +56,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import _comm_sharded
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -374,6 +383,10 @@ def markdown_report(payload: dict[str, Any]) -> str:
       f"\nNote: {others} collective ops other than all-reduce were found"
       " (see the JSON); their bytes are not counted above.\n"
     )
+  if payload.get("sharded") or payload.get("sharded_skipped"):
+    text += "\n## Sharded params\n\n" + _comm_sharded.markdown(
+      payload["sharded"], payload["sharded_skipped"]
+    )
   return text
 
 
@@ -473,6 +486,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     default=8,
     help="examples per device per micro-batch (default 8)",
   )
+  parser.add_argument(
+    "--sharded-targets",
+    default="cpu,h100x8,v5e_2x4",
+    type=lambda s: [t for t in s.split(",") if t],
+    help="targets of the sharded-params table (default cpu,h100x8,v5e_2x4;"
+    " empty: none)",
+  )
+  parser.add_argument(
+    "--sharded-width",
+    type=int,
+    default=1024,
+    help="width of the 4 square layers of the sharded table (default 1024)",
+  )
   add_run_arguments(parser, rounds=3, warmup=1, repeats=3)
   return parser.parse_args(argv)
 
@@ -493,6 +519,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for k in args.ks:
       progress.update(task, description=f"k={k}")
       results += measure_k(k, problem, args, lambda: progress.advance(task))
+  sharded, skipped = _comm_sharded.rows(
+    args.sharded_targets, args.ks, args.sharded_width
+  )
   payload = {
     "benchmark": "bench_comm",
     "machine": machine_info(),
@@ -502,6 +531,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       "param_bytes": tree_bytes(problem.params),
     },
     "results": results,
+    "sharded": sharded,
+    "sharded_skipped": skipped,
   }
   console.print(console_table(payload))
   paths = write_outputs(

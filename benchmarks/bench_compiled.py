@@ -58,10 +58,17 @@ AXIS = "data"
 VARIANTS = ("plain", "floor", "accumulate", "MultiSteps", "apply_every")
 APPLIES = ("optax", "accum")  # optax.apply_updates, optax_accum.apply_updates
 EMITS = ("traced", "micro", "emit")  # emit=None / False / True
-ENGINES = ("local", "shard_map", "unreduced", "hsdp")
+ENGINES = ("local", "shard_map", "unreduced", "hsdp", "fsdp", "fsdp1d")
 # HSDP: params sharded over FSDP_AXIS within a replica, replicated over
 # REPLICA_AXIS (two replicas); the reduction is deferred over REPLICA_AXIS.
 REPLICA_AXIS, FSDP_AXIS = "replica", "fsdp"
+# Engines under plain jit on an explicit mesh, params sharded: (mesh axes,
+# the params' spec, the axis accumulate defers over or None).
+SHARDED = {
+  "hsdp": ((REPLICA_AXIS, FSDP_AXIS), P(FSDP_AXIS), REPLICA_AXIS),
+  "fsdp": ((REPLICA_AXIS, FSDP_AXIS), P(FSDP_AXIS), None),
+  "fsdp1d": ((AXIS,), P(AXIS), AXIS),
+}
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 ADAM_OPS = ("sqrt", "rsqrt")
 
@@ -100,10 +107,12 @@ class Case:
       cycle's ``"micro"`` (``emit=False``) or ``"emit"`` (``emit=True``).
     engine: ``"local"``, or the data-parallel ``"shard_map"`` or
       ``"unreduced"`` (plain ``jit``) engine over all the target's devices,
-      or ``"hsdp"``: plain ``jit`` on a ``("replica", "fsdp")`` mesh of two
-      replicas, params sharded over ``"fsdp"``, deferred over ``"replica"``
-      (its ``plain`` variant is FSDP over every device, reducing every
-      call).
+      or, under plain ``jit`` with params sharded (:data:`SHARDED`):
+      ``"hsdp"`` on a ``("replica", "fsdp")`` mesh of two replicas, params
+      sharded over ``"fsdp"``, deferred over ``"replica"`` (its ``plain``
+      variant is FSDP over every device, reducing every call); ``"fsdp"``,
+      the same mesh and params reduced every call; ``"fsdp1d"``, params
+      sharded over the one data axis and the reduction deferred over it.
     dtype: the params' dtype, ``"f32"`` or ``"bf16"``.
     weight: pass ``weight=`` (traced) to ``update``.
     skip: ``skip_nonfinite=True``.
@@ -111,6 +120,8 @@ class Case:
     cublas: cuBLAS GEMMs instead of Triton's (H100).
     gradients: ``accumulate(gradients=...)``: ``"sum"`` for gradients of a
       loss summed over the micro-batch (added without a multiply).
+    reduce_dtype: ``""``, or ``"bf16"``: ``accumulate(reduce_dtype=)``, the
+      dtype the deferred reduction crosses devices in.
     xla: a name of :data:`XLA_OPTIONS`, compiler options to add.
   """
 
@@ -125,6 +136,7 @@ class Case:
   noise: bool = False
   cublas: bool = False
   gradients: str = "mean"
+  reduce_dtype: str = ""
   xla: str = ""
   k: int = 8
   width: int = 2048
@@ -140,6 +152,7 @@ class Case:
       f for f in ("weight", "skip", "noise", "cublas") if getattr(self, f)
     ]
     parts += ["sum-gradients"] if self.gradients == "sum" else []
+    parts += [f"{self.reduce_dtype}-wire"] if self.reduce_dtype else []
     parts += [self.xla] if self.xla else []
     return "-".join(parts)
 
@@ -167,12 +180,13 @@ def _devices(case: Case) -> int:
 
 def _mesh(case: Case, explicit: bool = False):
   n = _devices(case)
-  if case.engine == "hsdp":  # always explicit: unreduced over "replica"
-    shape, names = (2, n // 2), (REPLICA_AXIS, FSDP_AXIS)
+  if case.engine in SHARDED:  # always explicit: unreduced over an axis
+    names = SHARDED[case.engine][0]
+    shape = (2, n // 2) if len(names) == 2 else (n,)
     if case.target != "cpu":
       return _targets.mesh(case.target, shape, names, explicit=True)
     devices = np.asarray(jax.devices()[:n]).reshape(shape)
-    types = (jax.sharding.AxisType.Explicit,) * 2
+    types = (jax.sharding.AxisType.Explicit,) * len(names)
     return jax.sharding.Mesh(devices, names, axis_types=types)
   if case.target == "cpu":
     devices = jax.devices()[:n]
@@ -189,14 +203,16 @@ def _spec(mesh, shape, dtype, spec=None):
 def _params_and_batch(case: Case, mesh):
   dtype = DTYPES[case.dtype]
   rows = case.batch * _devices(case)
-  param_spec = P(FSDP_AXIS) if case.engine == "hsdp" else P()
+  param_spec = SHARDED[case.engine][1] if case.engine in SHARDED else P()
   params = {
     f"w{i}": _spec(mesh, (case.width, case.width), dtype, param_spec)
     for i in range(case.layers)
   }
-  batch_spec = {"local": P(), "hsdp": P((REPLICA_AXIS, FSDP_AXIS))}.get(
-    case.engine, P(AXIS)
-  )
+  batch_spec = P(AXIS)  # the rows split over every device
+  if case.engine == "local":
+    batch_spec = P()
+  elif case.engine in SHARDED:
+    batch_spec = P(SHARDED[case.engine][0])
   batch = tuple(
     _spec(mesh, (rows, case.width), dtype, batch_spec) for _ in range(2)
   )
@@ -219,7 +235,9 @@ def _transformation(case: Case):
     return optax.MultiSteps(inner, case.k).gradient_transformation()
   if case.variant == "apply_every":
     return optax.chain(inner, optax.apply_every(case.k))
-  axis = {"local": None, "hsdp": REPLICA_AXIS}.get(case.engine, AXIS)
+  axis = None if case.engine == "local" else AXIS
+  if case.engine in SHARDED:
+    axis = SHARDED[case.engine][2]
   return optax_accum.accumulate(
     inner,
     case.k,
@@ -227,6 +245,7 @@ def _transformation(case: Case):
     track_noise_scale=case.noise,
     axis_name=axis,
     gradients=case.gradients,
+    reduce_dtype=DTYPES[case.reduce_dtype] if case.reduce_dtype else None,
   )
 
 
@@ -260,6 +279,8 @@ def _floor_step(case: Case, mesh):
       return p, add(acc, jax.grad(loss_fn)(p, b))
 
     return jax.jit(step, donate_argnums=(0, 1)), (params, acc, batch)
+  if case.engine in SHARDED and case.engine != "hsdp":
+    raise ValueError(f"no floor for engine {case.engine!r}")
   if case.engine in ("unreduced", "hsdp"):
     axis = REPLICA_AXIS if case.engine == "hsdp" else AXIS
     grad_fn = optax_accum.local_value_and_grad(loss_fn, axis_name=axis)
@@ -305,14 +326,13 @@ def build(case: Case):
   explicit = case.engine == "unreduced" and case.variant != "plain"
   mesh = _mesh(case, explicit=explicit)
   if case.variant == "floor":
-    explicit = case.engine in ("unreduced", "hsdp")
-    return _floor_step(case, _mesh(case, explicit=explicit))
+    return _floor_step(case, _mesh(case, explicit=_explicit(case)))
   params, batch = _params_and_batch(case, mesh)
   tx = _transformation(case)
   weight = _spec(mesh, (), jnp.float32)
 
-  if case.engine == "hsdp":
-    return _hsdp_step(case, mesh, tx, params, batch, weight)
+  if case.engine in SHARDED:
+    return _sharded_step(case, mesh, tx, params, batch, weight)
   if case.engine == "local" or case.variant == "plain":
     # Plain data parallel for the distributed engines' baseline: the batch
     # is sharded, jit all-reduces the gradient on every call.
@@ -371,10 +391,15 @@ def build(case: Case):
   return jax.jit(step, donate_argnums=(0, 1)), (params, state, batch, weight)
 
 
-def _hsdp_step(case: Case, mesh, tx, params, batch, weight):
-  """HSDP under plain ``jit``: the gradient reduce-scattered over "fsdp" on
-  every call, over "replica" deferred to the emitting call (plain: FSDP over
-  every device, reduced on every call)."""
+def _explicit(case: Case) -> bool:
+  return case.engine in ("unreduced", *SHARDED)
+
+
+def _sharded_step(case: Case, mesh, tx, params, batch, weight):
+  """Params sharded, plain ``jit``: HSDP (the gradient reduce-scattered
+  over "fsdp" on every call, over "replica" deferred to the emitting
+  call), FSDP reducing every call, or 1-D FSDP deferred; ``plain``: FSDP
+  over every device, reduced on every call."""
   with jax.set_mesh(mesh):
     shardings = optax_accum.state_shardings(tx, params)
   state = jax.tree.map(
@@ -382,10 +407,11 @@ def _hsdp_step(case: Case, mesh, tx, params, batch, weight):
     jax.eval_shape(tx.init, params),
     shardings,
   )
-  if case.variant == "plain":
+  deferred = SHARDED[case.engine][2]
+  if case.variant == "plain" or deferred is None:
     grad_fn = jax.value_and_grad(loss_fn)
   else:
-    grad_fn = optax_accum.local_value_and_grad(loss_fn, axis_name=REPLICA_AXIS)
+    grad_fn = optax_accum.local_value_and_grad(loss_fn, axis_name=deferred)
 
   def step(params, state, batch, weight):
     _, grads = grad_fn(params, batch)
@@ -484,7 +510,7 @@ def _collectives(case: Case, compiled) -> list[dict[str, Any]]:
   groups span."""
   text = compiled.as_text()
   records = optax_accum.collectives(text)
-  mesh = _mesh(case, explicit=case.engine in ("unreduced", "hsdp"))
+  mesh = _mesh(case, explicit=_explicit(case))
   coordinates = _collectives_lib._coordinates(
     mesh, compiled, _hlo.HloModule(text)
   )
@@ -534,7 +560,14 @@ def cases_for(target: str, args: argparse.Namespace) -> list[Case]:
       for apply in APPLIES:
         out.append(Case(apply=apply, **common))
       out.append(Case(apply="accum", emit="micro", **common))
-      out.append(Case(apply="accum", emit="emit", **common))
+      # On TPU the reductions start during the backward only with the
+      # asynchronous collective options (XLA_OPTIONS["tpu_async"]).
+      tpu = target.startswith("v5e")
+      out.append(
+        Case(
+          apply="accum", emit="emit", xla="tpu_async" if tpu else "", **common
+        )
+      )
       if engine == "local":
         out.append(Case(variant="MultiSteps", **common))
         out.append(Case(variant="apply_every", **common))

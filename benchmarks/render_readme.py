@@ -1,16 +1,19 @@
-"""Writes the figures of benchmarks/README.md from benchmarks/results/*.json.
+"""Writes the figures of benchmarks/README.md (and the scaling guide's) from
+the results files.
 
 Every number in the README's performance guide sits between a pair of
 markers, ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->``, and is
 rendered here from the JSON that ``make bench`` (the scripts with their
-defaults) leaves in ``benchmarks/results/``: nobody types a figure by hand,
-and ``tests/test_benchmarks_smoke.py`` fails when the README and the results
-disagree.
+defaults) leaves in ``benchmarks/results/`` (``SOURCES``: the few kept
+elsewhere, e.g. ``examples/lm/results/wire_dtype.json``, which
+``examples/lm/wire_dtype.py`` writes for the scaling guide): nobody types a
+figure by hand, and ``tests/test_benchmarks_smoke.py`` fails when a page
+(``PAGES``) and the results disagree.
 
 Usage::
 
-  python benchmarks/render_readme.py          # rewrite the README
-  python benchmarks/render_readme.py --check  # exit 1 if it is stale
+  python benchmarks/render_readme.py          # rewrite the pages
+  python benchmarks/render_readme.py --check  # exit 1 if one is stale
 """
 
 import argparse
@@ -24,6 +27,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
 RESULTS = HERE / "results"
+LM_RESULTS = HERE.parent / "examples" / "lm" / "results"
+# The pages with results blocks: this guide, and the scaling guide (the
+# wire dtype's accuracy).
+PAGES = (README, HERE.parent / "examples" / "README.md")
 MB = 2**20
 
 BLOCK = re.compile(
@@ -150,10 +157,177 @@ def bench_comm(payload: dict[str, Any]) -> str:
   )
 
 
+def bench_comm_sharded(payload: dict[str, Any]) -> str:
+  """The sharded-params table of bench_comm.json, at the largest k."""
+  rows, skipped = payload.get("sharded", []), payload.get("sharded_skipped", {})
+  if not rows:
+    return "(no sharded rows in `bench_comm.json`: run `make bench`)\n"
+  ks = list(rows[0]["reduced_per_step"])
+
+  def by_axes(d):
+    return ", ".join(f"{a} {b / MB:.0f}" for a, b in sorted(d.items())) or "-"
+
+  body = [
+    [
+      r["target"],
+      r["layout"],
+      r["wire"],
+      by_axes(r["reduced_every_call"]),
+      by_axes(r["reduced_once"]),
+      ", ".join(r["deferred_opcodes"]) or "-",
+      *[by_axes(r["reduced_per_step"][k]) for k in ks],
+      f"{r['accumulator_bytes_per_device'] / MB:.0f}",
+    ]
+    for r in rows
+  ]
+  text = (
+    f"{rows[0]['param_bytes'] / MB:.0f} MiB of float32 params in 4 layers, 8"
+    " devices, compiled (nothing timed); MiB per device, filed under the"
+    " mesh axes each reduction spans:\n\n"
+    + _table(
+      [
+        "target",
+        "layout",
+        "wire",
+        "reduced every call",
+        "reduced once a step",
+        "as",
+        *[f"per step, k={k}" for k in ks],
+        "accumulator / device",
+      ],
+      body,
+    )
+  )
+  for target, reason in skipped.items():
+    text += f"\n{target}: not compiled ({reason}).\n"
+  return text
+
+
+def _compiled_step(case: dict[str, Any]) -> str:
+  if case["variant"] != "accumulate":
+    return case["variant"]
+  return f"{case['apply']}/{case['emit']}"
+
+
+def bench_compiled(payload: dict[str, Any]) -> str:
+  """Per (target, engine, dtype): each step's micro-step kernel bytes over
+  the floor's, and what optax_accum's traced step compiles to."""
+  groups: dict[tuple, dict[str, Any]] = {}
+  for row in payload["rows"]:
+    c = row["case"]
+    key = (c["target"], c["engine"], c["dtype"])
+    groups.setdefault(key, {})[_compiled_step(c)] = row
+
+  def micro(steps, name):
+    if name not in steps or "floor" not in steps:
+      return "-"
+    floor = steps["floor"]["bytes"]["micro-step"]
+    return f"{steps[name]['bytes']['micro-step'] / floor:.2f}"
+
+  body = []
+  for (target, engine, dtype), steps in groups.items():
+    ours, plain = steps.get("accum/traced"), steps.get("plain")
+    if ours is None:
+      continue
+    extra = "-"
+    if plain is not None:
+      extra = (
+        ours["memory"]["footprint"] - plain["memory"]["footprint"]
+      ) / ours["accumulator_bytes"]
+      extra = f"{extra:.2f}"
+    gemms = ours["wgrad_gemms"]
+    fused = f"{sum(g['fused'] for g in gemms)}/{len(gemms)}" if gemms else "-"
+    emit = steps.get("accum/emit", {}).get("overlap")
+    overlap = (
+      f"{emit['started_before_last_gemm']}/{emit['reductions']}"
+      if emit and emit.get("reductions")
+      else "-"
+    )
+    body.append(
+      [
+        target,
+        engine,
+        dtype,
+        micro(steps, "optax/traced"),
+        micro(steps, "accum/traced"),
+        micro(steps, "accum/micro"),
+        micro(steps, "MultiSteps"),
+        str(ours["conditionals"]),
+        "yes" if ours["adam_every_call"] else "no",
+        str(len(ours["copies"]["micro-step"])),
+        extra,
+        fused,
+        overlap,
+      ]
+    )
+  m = payload["machine"]
+  return (
+    f"Compiled {m['timestamp'][:10]} without the devices (nothing timed),"
+    f" jax {m['jax']}, optax {m['optax']}: {payload['args']['layers']}"
+    f" {payload['args']['width']}-square layers, adam, k=8.\n\n"
+    + _table(
+      [
+        "target",
+        "engine",
+        "params",
+        "micro-step / floor: optax.apply_updates",
+        "optax_accum.apply_updates",
+        "static, emit=False",
+        "MultiSteps",
+        "conditionals kept",
+        "adam every call",
+        "param-sized copies / micro-step",
+        "extra memory / accumulator",
+        "weight-gradient GEMMs add in place",
+        "static emit=True: reductions started in the backward",
+      ],
+      body,
+    )
+  )
+
+
+def wire_dtype(payload: dict[str, Any]) -> str:
+  """examples/lm/wire_dtype.py: float32 vs bfloat16 on the wire."""
+  a = payload["args"]
+  rows = [
+    [
+      str(r["seed"]),
+      f"{r['heldout']['float32']:.4f}",
+      f"{r['heldout']['bfloat16']:.4f}",
+      f"{r['heldout']['bfloat16'] - r['heldout']['float32']:+.1e}",
+      f"{r['max_abs_params_diff']:.1e}",
+    ]
+    for r in payload["seeds"]
+  ]
+  return (
+    f"{a['steps']} optimizer steps of k={a['every_k']} micro-batches of"
+    f" {a['micro_batch']} samples on {payload['devices']} simulated CPU"
+    f" devices (jax {payload['jax']}); deterministic, one row per seed:\n\n"
+    + _table(
+      [
+        "seed",
+        "held-out loss, float32 wire",
+        "bfloat16 wire",
+        "difference",
+        "max abs params difference",
+      ],
+      rows,
+    )
+  )
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
   "bench_step": bench_step,
   "bench_train": bench_train,
   "bench_comm": bench_comm,
+  "bench_comm-sharded": bench_comm_sharded,
+  "bench_compiled": bench_compiled,
+  "wire_dtype": wire_dtype,
+}
+# Where each block's JSON is, when not RESULTS / f"{name}.json".
+SOURCES = {
+  "bench_comm-sharded": RESULTS / "bench_comm.json",
+  "wire_dtype": LM_RESULTS / "wire_dtype.json",
 }
 
 
@@ -162,7 +336,7 @@ def render(text: str, results: Path = RESULTS) -> str:
 
   def block(match: re.Match) -> str:
     name = match.group("name")
-    path = results / f"{name}.json"
+    path = SOURCES.get(name, results / f"{name}.json")
     if not path.is_file():
       body = f"(no `{path.name}` yet: run `make bench`)\n"
     else:
@@ -180,14 +354,18 @@ def main(argv: list[str] | None = None) -> int:
     help="exit with status 1 if the README differs from the results",
   )
   args = parser.parse_args(argv)
-  text = README.read_text()
-  rendered = render(text)
-  if args.check:
+  stale = []
+  for page in PAGES:
+    text = page.read_text()
+    rendered = render(text)
     if rendered != text:
-      print("benchmarks/README.md is stale: run benchmarks/render_readme.py")
-      return 1
-    return 0
-  README.write_text(rendered)
+      stale.append(page)
+      if not args.check:
+        page.write_text(rendered)
+  if args.check and stale:
+    names = ", ".join(str(p.relative_to(HERE.parent)) for p in stale)
+    print(f"{names}: stale, run benchmarks/render_readme.py")
+    return 1
   return 0
 
 

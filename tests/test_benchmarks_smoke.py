@@ -64,6 +64,10 @@ SCRIPTS = {
     "16",
     "--per-device-batch",
     "2",
+    "--sharded-targets",
+    "cpu",
+    "--sharded-width",
+    "64",
   ],
 }
 # Every script: the fewest rounds, two repeats (so spreads have a range).
@@ -196,6 +200,42 @@ def test_bench_comm_counts_deferred_traffic(run_once):
   assert grad_bytes <= unreduced["bytes_per_step"] < grad_bytes + 64
 
 
+def test_bench_comm_files_sharded_reductions_by_mesh_axis(run_once):
+  """On a (2, 2) mesh: FSDP reduces across replicas every call; HSDP only
+  within a replica every call and across replicas once, one shard per
+  device; 1-D FSDP once, with a full-size accumulator."""
+  report = json.loads((run_once("bench_comm") / "bench_comm.json").read_text())
+  rows = {(r["layout"], r["wire"]): r for r in report["sharded"]}
+  assert set(rows) == {
+    ("fsdp", "f32"),
+    ("fsdp1d", "f32"),
+    ("fsdp1d", "bf16"),
+    ("hsdp", "f32"),
+    ("hsdp", "bf16"),
+  }
+  param_bytes = rows["hsdp", "f32"]["param_bytes"]
+  fsdp, hsdp, fsdp1d = (
+    rows["fsdp", "f32"],
+    rows["hsdp", "f32"],
+    rows["fsdp1d", "f32"],
+  )
+  assert "replica + fsdp" in fsdp["reduced_every_call"]
+  assert not fsdp["reduced_once"]
+  assert set(hsdp["reduced_every_call"]) == {"fsdp"}
+  assert hsdp["reduced_once"] == {"replica": param_bytes // 2}
+  assert hsdp["accumulator_bytes_per_device"] == param_bytes // 2
+  assert fsdp1d["reduced_once"] == {"data": param_bytes}
+  assert fsdp1d["accumulator_bytes_per_device"] == param_bytes
+  # k = 3: the per-call reductions count three times, the deferred once.
+  per_step = hsdp["reduced_per_step"]["3"]
+  assert per_step["replica"] == param_bytes // 2
+  assert per_step["fsdp"] == 3 * hsdp["reduced_every_call"]["fsdp"]
+  assert (
+    "## Sharded params"
+    in (run_once("bench_comm") / "bench_comm.md").read_text()
+  )
+
+
 @pytest.mark.parametrize("script", [*SCRIPTS, "render_readme"])
 def test_help(script):
   result = _run(script, "--help")
@@ -217,13 +257,16 @@ def test_readme_figures_are_the_results_files():
   benchmarks/results/*.json: the blocks match a fresh rendering, and no
   decimal number appears outside them."""
   render = _render_readme()
+  names = set()
+  for page in render.PAGES:
+    text = page.read_text()
+    assert render.render(text) == text, (
+      f"{page.name} differs from the results files: run"
+      " `python benchmarks/render_readme.py`"
+    )
+    names |= {m.group("name") for m in render.BLOCK.finditer(text)}
+  assert names == set(render.RENDERERS)
   text = render.README.read_text()
-  assert render.render(text) == text, (
-    "benchmarks/README.md differs from benchmarks/results: run"
-    " `python benchmarks/render_readme.py`"
-  )
-  blocks = list(render.BLOCK.finditer(text))
-  assert {m.group("name") for m in blocks} == set(render.RENDERERS)
   outside = render.BLOCK.sub("", text)
   # Code blocks hold commands, not figures.
   outside = re.sub(r"```.*?```", "", outside, flags=re.S)

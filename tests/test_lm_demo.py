@@ -267,3 +267,29 @@ def test_truncated_checkpoint_is_a_clear_error(lm, tiny_cfg, saved):
   model, optimizer = lm.train.build(tiny_cfg, "weighted")
   with pytest.raises(lm.ckpt.CheckpointError, match="is missing or corrupt"):
     lm.ckpt.restore_checkpoint(saved, tiny_cfg, "weighted", model, optimizer)
+
+
+def test_wire_dtype_bfloat16_changes_the_run_a_little(tmp_path):
+  """examples/lm/wire_dtype.py at a tiny size: the bfloat16 wire gives
+  other params than the float32 wire (so `reduce_dtype` reaches the
+  reduction), close to them, and a nearby held-out loss."""
+  result = subprocess.run(
+    [
+      sys.executable,
+      str(LM / "wire_dtype.py"),
+      *("--steps", "2", "--every-k", "2", "--micro-batch", "8"),
+      *("--max-len", "64", "--d-model", "16", "--num-layers", "1"),
+      *("--seeds", "0", "--out", str(tmp_path)),
+    ],
+    capture_output=True,
+    text=True,
+    cwd=LM,
+    timeout=600,
+    check=False,
+  )
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  payload = json.loads((tmp_path / "wire_dtype.json").read_text())
+  (row,) = payload["seeds"]
+  assert 0 < row["max_abs_params_diff"] < 1e-2
+  assert abs(row["heldout"]["bfloat16"] - row["heldout"]["float32"]) < 1e-2
+  assert "| 0 |" in (tmp_path / "wire_dtype.md").read_text()

@@ -20,6 +20,7 @@ RUNS = {
     "scaling_jit_unreduced.py",
     ["--steps", "2", "--every-k", "3"],
   ),
+  "hsdp": ("scaling_hsdp.py", ["--steps", "1", "--every-k", "2"]),
   "multihost_one_process": ("scaling_multihost.py", ["--steps", "1"]),
   "multihost_two_processes": (
     "scaling_multihost.py",
@@ -45,5 +46,7 @@ def test_example_runs(name):
   output = result.stdout + result.stderr
   assert result.returncode == 0, output[-4000:]
   assert "max |params - big-batch reference|" in output
+  if name == "hsdp":  # the cross-replica all-reduce waits for the cycle
+    assert "emitting    replica" in output
   if name == "multihost_two_processes":
     assert "[process 1] process 1: max |params" in output
