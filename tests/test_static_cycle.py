@@ -69,7 +69,9 @@ def _big_batch(inner, cycles, weights=None):
   for cycle in cycles:
     w = [1.0 if weights is None else weights[i] for i in cycle]
     mean = jax.tree.map(
-      lambda *gs: sum(wi * g for wi, g in zip(w, gs, strict=True)) / sum(w),
+      lambda *gs, w=w: (
+        sum(wi * g for wi, g in zip(w, gs, strict=True)) / sum(w)
+      ),
       *[grads(i) for i in cycle],
     )
     updates, state = inner.update(mean, state, p)
