@@ -162,12 +162,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
       f" got {args.micro_batch}"
     )
   jax.config.update("jax_num_cpu_devices", args.devices)
-  # Simulated devices are threads sharing 2 cores here: a device can reach
-  # an all-reduce long after the others while a big matmul holds the pool.
-  # XLA:CPU aborts after 40 s by default; wait instead.
+  # Simulated devices are threads of one process. With Eigen's intra-op
+  # threads, XLA:CPU (jax 0.10.2, 2 cores) can park every pool thread in
+  # the all-reduce of the emitting branch while one device's matmul waits
+  # for a thread: the rendezvous never completes (it aborts after 40 s).
+  # One thread per op avoids that.
   os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_cpu_collective_call_terminate_timeout_seconds=1800"
+    os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
   )
   seeds = []
   for seed in (int(s) for s in args.seeds.split(",")):
