@@ -401,12 +401,21 @@ def _accept(
     accepted = jnp.isfinite(weight) & (grads_finite | (weight == 0))
   if engine.kind == _engine.SHARD_MAP:
     # Replicas must agree on what is skipped and on when a cycle ends
-    # (under plain jit, the unreduced engine's scalars are global already).
+    # (under plain jit, the unreduced engine's scalars are global already),
+    # and so must the devices holding shards of one replica's gradient
+    # (HSDP: the other manual axes the decision varies over).
     if config.skip_nonfinite:
-      accepted = lax.pmin(accepted.astype(jnp.int32), config.axis_name) > 0
+      accepted = _agreed(lax.pmin, accepted, config.axis_name)
     if may_flush:
-      flush = lax.pmax(flush.astype(jnp.int32), config.axis_name) > 0
+      flush = _agreed(lax.pmax, flush, config.axis_name)
   return _MicroBatch(grads, weight, weighted, accepted, flush)
+
+
+def _agreed(reduce: Callable, flag: jax.Array, axis_name: Any) -> jax.Array:
+  """`flag` reduced with `reduce` over `axis_name` and every other manual
+  axis it varies over: the same on every device of the step."""
+  axes = _vma.axis_names(axis_name) | _vma.varying_axes(jax.typeof(flag))
+  return reduce(flag.astype(jnp.int32), tuple(sorted(axes, key=str))) > 0
 
 
 def _add_leaf(acc, g, *, keep, weight, engine):
@@ -498,9 +507,11 @@ def _add_noise(
   stats: NoiseStats | None,
   fresh: jax.Array,
   summed: bool,
+  sample_axes: Any = None,
 ) -> Any:
   """The noise-scale sums after `micro`: measured here, or by the gradient
-  helper (`stats`, unreduced engine); `summed`: gradients="sum"."""
+  helper (`stats`, unreduced engine); `summed`: gradients="sum";
+  `sample_axes`: see :func:`_noise_scale.sq_norm`."""
   if noise is None:
     return None
   if stats is not None:
@@ -508,7 +519,7 @@ def _add_noise(
       noise, stats, micro.weight, micro.accepted, fresh
     )
   return _noise_scale.add_micro_batch(
-    noise, micro.grads, micro.weight, micro.accepted, fresh, summed
+    noise, micro.grads, micro.weight, micro.accepted, fresh, summed, sample_axes
   )
 
 
@@ -759,7 +770,7 @@ def _fold_noise(config, noise, acc, inv_weight, weight, mean_sq):
   if noise is None:
     return None
   if mean_sq is None:  # The global mean, known only after the all-reduce.
-    mean_sq = _noise_scale.sq_norm(acc, inv_weight)
+    mean_sq = _noise_scale.sq_norm(acc, inv_weight, config.axis_name)
   return _noise_scale.fold_cycle(
     noise, mean_sq, weight, config.noise_scale_decay
   )
@@ -1191,6 +1202,7 @@ def _update(
     noise_stats,
     state.micro_step == 0,
     config.gradients == "sum",
+    config.axis_name if engine.kind == _engine.SHARD_MAP else None,
   )
   plan = _plan(
     config, engine, inner, extra_args, updates, acc, state.inner_state, params

@@ -21,7 +21,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _unreduced
+from optax_accum import _sharding, _unreduced
 from optax_accum._state import (
   DEVICE_LOCAL_FIELDS,
   AccumulateState,
@@ -50,7 +50,9 @@ def _map_accumulate_states(opt_state: Any, fn: Callable, other: Callable):
   return jax.tree.map(visit, opt_state, is_leaf=is_accumulate_state)
 
 
-def shard_map_specs(opt_state: Any, axis_name: Hashable) -> Any:
+def shard_map_specs(
+  opt_state: Any, axis_name: Hashable, params: Any = None
+) -> Any:
   """``PartitionSpec``\\s of an optimizer state in ``shard_map``'s global layout.
 
   Pass them as the state's ``in_specs`` and ``out_specs`` of the
@@ -58,16 +60,28 @@ def shard_map_specs(opt_state: Any, axis_name: Hashable) -> Any:
   Inside the body, :func:`drop_device_axis` gives ``update`` the state it
   expects and :func:`add_device_axis` turns its result back.
 
+  With params sharded over other axes of the mesh (FSDP or HSDP inside
+  ``shard_map``: params ``P("fsdp")``, ``axis_name="replica"``), pass them
+  as `params`: a state leaf that is a copy of a param (the accumulator,
+  adam's ``mu`` and ``nu``; matched as :func:`state_shardings` does, by key
+  path and shape) then gets the param's spec, after `axis_name` for the
+  device-local accumulator: ``P("replica", "fsdp")``.
+
   Args:
     opt_state: The optimizer state (or its ``jax.eval_shape``): an
       :class:`AccumulateState` or any tree holding them, e.g. an
-      ``optax.chain`` state. Only its structure is read.
+      ``optax.chain`` state. Only its structure (and with `params`, its
+      shapes: take it from the global params) is read.
     axis_name: The mesh axis the device-local leaves are spread over, the
       ``axis_name`` given to :func:`accumulate`.
+    params: Optional. The global params as arrays or
+      ``jax.ShapeDtypeStruct``\\s with ``NamedSharding``\\s, those whose
+      specs are the params' ``in_specs``. Default: params replicated.
 
   Returns:
     A prefix tree of the state with a ``PartitionSpec`` at each node:
-    ``P(axis_name)`` above every device-local leaf, ``P()`` elsewhere.
+    ``P(axis_name)`` above every device-local leaf, ``P()`` elsewhere; with
+    `params`, a spec at every leaf, as above.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optax_accum
@@ -78,6 +92,8 @@ def shard_map_specs(opt_state: Any, axis_name: Hashable) -> Any:
     P('data',) P('data',) P() P()
   """
   local, replicated = P(axis_name), P()
+  if params is not None:
+    return _specs_following(opt_state, axis_name, params)
 
   def specs(state: AccumulateState) -> Any:
     return jax.tree.map(
@@ -86,6 +102,34 @@ def shard_map_specs(opt_state: Any, axis_name: Hashable) -> Any:
     )
 
   return _map_accumulate_states(opt_state, specs, lambda _: replicated)
+
+
+def _specs_following(opt_state: Any, axis_name: Hashable, params: Any) -> Any:
+  """:func:`shard_map_specs` with `params`: a spec at every leaf."""
+  found = _sharding.param_shardings(params)
+
+  def spec(path: tuple, leaf: Any, is_local: bool = False) -> P:
+    copied = _sharding.param_copied(found, path, getattr(leaf, "shape", ()))
+    parts = () if copied is None else tuple(copied.spec)
+    return P(axis_name, *parts) if is_local else P(*parts)
+
+  def accumulate_specs(state: AccumulateState) -> Any:
+    def subtree(path, is_local, sub):
+      return jax.tree_util.tree_map_with_path(
+        lambda p, leaf: spec(path + p, leaf, is_local), sub
+      )
+
+    mask = _device_local_mask(state)
+    return jax.tree_util.tree_map_with_path(subtree, mask, state)
+
+  def visit(path: tuple, node: Any) -> Any:
+    if is_accumulate_state(node):
+      return accumulate_specs(node)
+    return spec(path, node)
+
+  return jax.tree_util.tree_map_with_path(
+    visit, opt_state, is_leaf=is_accumulate_state
+  )
 
 
 def _map_device_local(opt_state: Any, fn: Callable) -> Any:

@@ -40,7 +40,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from optax_accum import _vma
 from optax_accum._state import NoiseScaleState, find_state
 
 
@@ -88,15 +90,29 @@ def init() -> NoiseScaleState:
   )
 
 
-def sq_norm(tree: Any, scale: Any = 1.0) -> jax.Array:
+def sq_norm(tree: Any, scale: Any = 1.0, sample_axes: Any = None) -> jax.Array:
   r""":math:`|\text{scale} \cdot x|^2` summed over the leaves, in float32.
 
   Complex leaves count their modulus, so no imaginary part is lost.
+
+  `sample_axes` (inside ``shard_map``): the manual axes each device's value
+  is its own sample over (``accumulate``'s ``axis_name``). A leaf that also
+  varies over other manual axes is a shard of a larger array (FSDP or
+  HSDP: params sharded over ``"fsdp"``): its sum of squares is added over
+  those axes with a scalar ``psum``, so that the norm is the whole
+  array's. A leaf the same on those axes (a replicated bias) counts once.
   """
   total = jnp.zeros([], jnp.float32)
   for x in jax.tree.leaves(tree):
     x = jnp.abs(x) if jnp.iscomplexobj(x) else jnp.asarray(x)
-    total += jnp.sum(jnp.square(x.astype(jnp.float32) * scale))
+    leaf = jnp.sum(jnp.square(x.astype(jnp.float32) * scale))
+    if sample_axes is not None:
+      shards = _vma.varying_axes(jax.typeof(leaf)) - _vma.axis_names(
+        sample_axes
+      )
+      if shards:
+        leaf = lax.psum(leaf, tuple(sorted(shards)))
+    total += leaf
   return total
 
 
@@ -107,17 +123,20 @@ def add_micro_batch(
   accepted: jax.Array,
   fresh: jax.Array,
   summed: bool = False,
+  sample_axes: Any = None,
 ) -> NoiseScaleState:
   """Adds one micro-batch to the cycle's sums (a fresh cycle starts at 0).
 
   `summed`: `grads` is a sum over the micro-batch's `weight` (its mean is
-  ``grads / weight``), so its sample is :math:`|g|^2 / w`.
+  ``grads / weight``), so its sample is :math:`|g|^2 / w`. `sample_axes`:
+  see :func:`sq_norm`.
   """
   counted = accepted & (weight > 0)
+  norm = sq_norm(grads, sample_axes=sample_axes)
   if summed:
-    sample = sq_norm(grads) / jnp.where(weight > 0, weight, 1.0)
+    sample = norm / jnp.where(weight > 0, weight, 1.0)
   else:
-    sample = weight * sq_norm(grads)
+    sample = weight * norm
   return _add_samples(noise, fresh, counted, sample, 1)
 
 

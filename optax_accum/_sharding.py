@@ -128,10 +128,8 @@ def state_shardings(
     True
   """
   init = _init_fn(tx)
-  found = _param_shardings(params)
+  found = param_shardings(params)
   replicated = NamedSharding(found[0][2].mesh, P())
-  # Longest param path first, so that {"a": {"w"}} wins over {"w"}.
-  found.sort(key=lambda item: len(item[0]), reverse=True)
   abstract = jax.tree.map(
     lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params
   )
@@ -144,16 +142,32 @@ def state_shardings(
     spec = getattr(getattr(typed, "sharding", None), "spec", None)
     if getattr(spec, "unreduced", None):
       return NamedSharding(replicated.mesh, spec)
-    shape = tuple(leaf.shape)
-    for param_path, param_shape, sharding in found:
-      ends_with = len(param_path) <= len(path) and (
-        not param_path or path[-len(param_path) :] == param_path
-      )
-      if ends_with and shape == param_shape:
-        return sharding
-    return replicated
+    return param_copied(found, path, leaf.shape) or replicated
 
   return jax.tree_util.tree_map_with_path(follow, state_shapes, typed_shapes)
+
+
+def param_shardings(params: Any) -> list[tuple[tuple, tuple, NamedSharding]]:
+  """(key path, shape, NamedSharding) of each param, longest path first;
+  raises naming `params` when a leaf has no NamedSharding."""
+  found = _param_shardings(params)
+  # Longest param path first, so that {"a": {"w"}} wins over {"w"}.
+  return sorted(found, key=lambda item: len(item[0]), reverse=True)
+
+
+def param_copied(
+  found: list[tuple[tuple, tuple, NamedSharding]], path: tuple, shape: Any
+) -> NamedSharding | None:
+  """The sharding of the param a state leaf at `path` of `shape` is a copy
+  of (its path ends with the param's, its shape is the param's), or None.
+  `found` as :func:`param_shardings` gives it."""
+  for param_path, param_shape, sharding in found:
+    ends_with = len(param_path) <= len(path) and (
+      not param_path or tuple(path[-len(param_path) :]) == param_path
+    )
+    if ends_with and tuple(shape) == param_shape:
+      return sharding
+  return None
 
 
 def _typed_state_shapes(init: Callable, params: Any, mesh: Any) -> Any:

@@ -24,7 +24,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _groups, _unreduced
+from optax_accum import _groups, _unreduced, _vma
 
 REPLICAS, FSDP = 2, 4
 ROWS = 2  # examples per device and micro-batch
@@ -380,4 +380,135 @@ def test_fsdp_reducing_every_call_fails_the_check():
   with pytest.raises(AssertionError, match="across mesh axis 'replica'"):
     optax_accum.assert_reduction_deferred(
       compiled, axis_name="replica", mesh=mesh, min_bytes=MIB
+    )
+
+
+# ----------------------------------------------------------------------------
+# Inside shard_map: "fsdp" manual too, the layout from shard_map_specs.
+# ----------------------------------------------------------------------------
+
+
+def _shard_map_train(tx, batches, *, sharded=True):
+  """HSDP written by hand inside shard_map: all-gather the params over
+  fsdp, the local gradient reduce-scattered over fsdp, deferred over
+  replica by `tx`; token-weighted. `sharded=False`: params replicated."""
+  mesh = jax.make_mesh((REPLICAS, FSDP), ("replica", "fsdp"))
+  specs = SPECS if sharded else {key: P() for key in SPECS}
+  params = jax.device_put(
+    _init_params(), {k: NamedSharding(mesh, s) for k, s in specs.items()}
+  )
+  state_specs = optax_accum.shard_map_specs(
+    jax.eval_shape(tx.init, params), "replica", params=params
+  )
+
+  def body(params, state, batch):
+    def gather(p, spec):
+      for dim, axis in enumerate(spec):
+        if axis == "fsdp":
+          p = jax.lax.all_gather(p, "fsdp", axis=dim, tiled=True)
+      return p
+
+    def vary(x):  # this device's own copy: jax.grad leaves it unreduced
+      missing = tuple(
+        a
+        for a in ("replica", "fsdp")
+        if a not in _vma.varying_axes(jax.typeof(x))
+      )
+      return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    full = {k: vary(gather(p, specs[k])) for k, p in params.items()}
+
+    def reduce_over_fsdp(x, spec):
+      """FSDP's reduce-scatter to the param's shard (psum when whole)."""
+      dims = [d for d, axis in enumerate(spec) if axis == "fsdp"]
+      if not dims:
+        return jax.lax.psum(x, "fsdp")
+      return jax.lax.psum_scatter(
+        x, "fsdp", scatter_dimension=dims[0], tiled=True
+      )
+
+    def loss(p):
+      return _token_mean(p, batch)
+
+    (_, tokens), g = jax.value_and_grad(loss, has_aux=True)(full)
+    # This replica's token-weighted sum over its fsdp devices, then each
+    # device keeps its shard (the replicated bias: the whole sum).
+    g = jax.tree.map(lambda x: x * tokens, g)
+    tokens = jax.lax.psum(tokens, "fsdp")
+    g = {k: reduce_over_fsdp(x, specs[k]) for k, x in g.items()}
+    g = jax.tree.map(lambda x: x / jnp.maximum(tokens, 1.0), g)
+    # The noise scale (noise=True) is measured by `tx` from the shards.
+    u, state = tx.update(
+      g, optax_accum.drop_device_axis(state), params, weight=tokens
+    )
+    params = optax_accum.apply_updates(params, u, state)
+    return params, optax_accum.add_device_axis(state)
+
+  rows = P(("replica", "fsdp"))
+  step = jax.jit(
+    jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=(specs, state_specs, rows),
+      out_specs=(specs, state_specs),
+    )
+  )
+  init = jax.jit(
+    jax.shard_map(
+      lambda p: optax_accum.add_device_axis(tx.init(p)),
+      mesh=mesh,
+      in_specs=(specs,),
+      out_specs=state_specs,
+    )
+  )
+  state = init(params)
+  for batch in batches:
+    batch = jax.device_put(batch, NamedSharding(mesh, rows))
+    params, state = step(params, state, batch)
+  return params, state, state_specs, step.lower(params, state, batch)
+
+
+def test_shard_map_hsdp_equals_the_big_batch():
+  k = 4
+  inner = optax.adam(1e-2)
+  tx = optax_accum.accumulate(inner, k, axis_name="replica")
+  batches = [_make_batch(i) for i in range(2 * k)]
+  params, state, specs, lowered = _shard_map_train(tx, batches)
+  expected = _big_batch(inner, batches, [range(k), range(k, 2 * k)], True)
+  _close(params, expected)
+  assert int(state.step) == 2
+  # The layout: the accumulator's shards on a leading replica axis.
+  assert specs.acc_grads["w1"] == P("replica", "fsdp", None)
+  assert specs.acc_grads["b"] == P("replica")
+  assert specs.inner_state[0].mu["w1"] == P("fsdp", None)
+  assert specs.acc_weight == P("replica") and specs.step == P()
+  shard = state.acc_grads["w1"].addressable_shards[0].data
+  assert shard.shape == (1, 16 // FSDP, 16)
+  optax_accum.assert_reduction_deferred(
+    lowered, axis_name="replica", min_bytes=64
+  )
+
+
+@pytest.mark.parametrize("option", ["skip_nonfinite", "noise"])
+def test_shard_map_hsdp_options_give_the_replicated_run(option):
+  noise = option == "noise"
+  tx = optax_accum.accumulate(
+    optax.adam(1e-2),
+    3,
+    axis_name="replica",
+    skip_nonfinite=not noise,
+    track_noise_scale=noise,
+  )
+  batches = [_make_batch(i) for i in range(6)]
+  if not noise:  # one replica's rows of one micro-batch
+    batches[4]["x"] = batches[4]["x"].at[:ROWS].set(jnp.nan)
+  params, state, _, _ = _shard_map_train(tx, batches)
+  ref, ref_state, _, _ = _shard_map_train(tx, batches, sharded=False)
+  _close(params, ref, atol=1e-6, rtol=1e-5)
+  assert int(state.num_skipped) == int(ref_state.num_skipped) == (not noise)
+  if noise:
+    np.testing.assert_allclose(
+      np.asarray(optax_accum.noise_scale(state)),
+      np.asarray(optax_accum.noise_scale(ref_state)),
+      rtol=1e-4,
     )

@@ -165,10 +165,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
   # Simulated devices are threads of one process. With Eigen's intra-op
   # threads, XLA:CPU (jax 0.10.2, 2 cores) can park every pool thread in
   # the all-reduce of the emitting branch while one device's matmul waits
-  # for a thread: the rendezvous never completes (it aborts after 40 s).
-  # One thread per op avoids that.
+  # for a thread, and a loaded machine can keep a device away from a
+  # rendezvous for more than the 40 s after which XLA:CPU aborts: one
+  # thread per op, and a longer wait.
   os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_cpu_multi_thread_eigen=false"
+    + " --xla_cpu_collective_call_terminate_timeout_seconds=1200"
   )
   seeds = []
   for seed in (int(s) for s in args.seeds.split(",")):
