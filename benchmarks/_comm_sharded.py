@@ -28,6 +28,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import _compiled_steps as steps
 import bench_compiled
 import jax
 from _common import MB, markdown_table
@@ -40,14 +41,14 @@ REDUCTIONS = ("all-reduce", "reduce-scatter")
 SMALL_BYTES = 1024
 
 
-def cases(target: str, width: int) -> list[bench_compiled.Case]:
+def cases(target: str, width: int) -> list[steps.Case]:
   """The compiled steps of one target: each layout, each wire dtype of a
   deferred reduction."""
   out = []
   for layout in LAYOUTS:
     for wire in WIRES if layout != "fsdp" else ("f32",):
       out.append(
-        bench_compiled.Case(
+        steps.Case(
           target=target,
           engine=layout,
           apply="accum",
@@ -66,18 +67,18 @@ def _accumulator_bytes(state: Any) -> int:
   )
 
 
-def measure(case: bench_compiled.Case) -> dict[str, Any]:
+def measure(case: steps.Case) -> dict[str, Any]:
   """Collectives (with the axes they span) and accumulator bytes."""
-  step, args = bench_compiled.build(case)
-  options = bench_compiled.compiler_options(case) or None
+  step, args = steps.build(case)
+  options = steps.compiler_options(case) or None
   compiled = step.lower(*args).compile(compiler_options=options)
   return {
     "target": case.target,
     "layout": case.engine,
     "wire": case.reduce_dtype or "f32",
-    "param_bytes": bench_compiled.param_bytes(case),
+    "param_bytes": steps.param_bytes(case),
     "accumulator_bytes_per_device": _accumulator_bytes(args[1]),
-    "collectives": bench_compiled._collectives(case, compiled),
+    "collectives": bench_compiled.collectives_with_axes(case, compiled),
   }
 
 

@@ -236,7 +236,30 @@ def test_bench_comm_files_sharded_reductions_by_mesh_axis(run_once):
   )
 
 
-@pytest.mark.parametrize("script", [*SCRIPTS, "render_readme"])
+def test_bench_compiled_on_cpu_writes_its_facts(tmp_path):
+  """bench_compiled.py for the CPU target alone (the accelerator targets
+  are tests/test_accelerators.py's): every step's facts, the Markdown and
+  the figure; on a micro-step, optax_accum.apply_updates is the floor."""
+  result = _run(
+    "bench_compiled",
+    *("--targets", "cpu", "--width", "64", "--layers", "2"),
+    *("--batch", "2", "--dtypes", "f32", "--out", str(tmp_path)),
+  )
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  payload = json.loads((tmp_path / "bench_compiled.json").read_text())
+  rows = {r["name"]: r for r in payload["rows"]}
+  floor = rows["cpu-floor-local-f32"]["bytes"]["micro-step"]
+  ours = rows["cpu-accumulate-local-f32-accum-traced"]
+  assert ours["conditionals"] >= 1 and not ours["adam_every_call"]
+  assert ours["bytes"]["micro-step"] <= 1.05 * floor
+  assert rows["cpu-MultiSteps-local-f32"]["adam_every_call"]
+  for suffix in ("md", "png"):
+    assert (tmp_path / f"bench_compiled.{suffix}").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+  "script", [*SCRIPTS, "bench_compiled", "render_readme"]
+)
 def test_help(script):
   result = _run(script, "--help")
   assert result.returncode == 0, result.stderr[-3000:]
