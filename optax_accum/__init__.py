@@ -1,5 +1,11 @@
 """optax_accum: gradient accumulation for JAX, as an optax transformation."""
 
+# First: importing _versions checks that jax, jaxlib and optax are new
+# enough, and raises an ImportError naming the installed and the minimum
+# versions before an import below meets an API an older one lacks.
+from optax_accum import _versions  # noqa: F401
+
+# isort: split
 from optax_accum._accumulate import accumulate as accumulate
 from optax_accum._accumulate import inner_for_every_k as inner_for_every_k
 from optax_accum._apply import apply_updates as apply_updates
