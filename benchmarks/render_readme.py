@@ -301,7 +301,7 @@ def wire_dtype(payload: dict[str, Any]) -> str:
   ]
   return (
     f"{a['steps']} optimizer steps of k={a['every_k']} micro-batches of"
-    f" {a['micro_batch']} samples on {payload['devices']} simulated CPU"
+    f" {a['micro_batch']} samples on {payload['devices']} simulated"
     f" devices (jax {payload['jax']}); deterministic, one row per seed:\n\n"
     + _table(
       [

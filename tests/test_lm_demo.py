@@ -270,7 +270,7 @@ def test_truncated_checkpoint_is_a_clear_error(lm, tiny_cfg, saved):
 
 
 def test_wire_dtype_bfloat16_changes_the_run_a_little(tmp_path):
-  """examples/lm/wire_dtype.py at a tiny size: the bfloat16 wire gives
+  """examples/lm/wire_dtype.py at a tiny size (4 devices): the bfloat16 wire gives
   other params than the float32 wire (so `reduce_dtype` reaches the
   reduction), close to them, and a nearby held-out loss."""
   result = subprocess.run(
@@ -279,7 +279,7 @@ def test_wire_dtype_bfloat16_changes_the_run_a_little(tmp_path):
       str(LM / "wire_dtype.py"),
       *("--steps", "2", "--every-k", "2", "--micro-batch", "8"),
       *("--max-len", "64", "--d-model", "16", "--num-layers", "1"),
-      *("--seeds", "0", "--out", str(tmp_path)),
+      *("--seeds", "0", "--devices", "4", "--out", str(tmp_path)),
     ],
     capture_output=True,
     text=True,

@@ -1,15 +1,20 @@
 """The dtype of the deferred reduction on the wire: float32 or bfloat16.
 
-The demo's transformer (``config.Config``), data parallel on 8 simulated CPU
-devices inside ``jax.shard_map``: each device's gradient of its share of
-every micro-batch, token-weighted, goes to
+The demo's transformer (``config.Config``), data parallel over 8 simulated
+devices: ``jax.vmap`` with ``axis_name="data"`` over a leading device axis,
+the engine that runs inside ``shard_map``, in one XLA:CPU program (8 device
+threads of XLA:CPU's in-process all-reduce deadlocked on this 2-core
+machine under load). Each device's gradient of its share of every
+micro-batch, token-weighted, goes to
 ``optax_accum.accumulate(inner, k, axis_name="data", reduce_dtype=...)``,
 which sums the accumulated gradients over the devices once per optimizer
-step. With ``reduce_dtype=jnp.bfloat16`` that sum crosses devices in
-bfloat16, half the bytes of float32 (the accumulator itself stays float32).
-Two runs per seed, from the same initialization on the same data, one per
-wire dtype; reported per seed: the max |params(bf16) - params(f32)| and each
-run's held-out loss after ``--steps`` optimizer steps::
+step (the static cycle: ``emit=`` from the loop). With
+``reduce_dtype=jnp.bfloat16`` each device's sum is rounded to bfloat16 and
+summed in bfloat16, as it would cross devices (half the bytes of float32;
+the accumulator itself stays float32). Two runs per seed, from the same
+initialization on the same data, one per wire dtype; reported per seed: the
+max |params(bf16) - params(f32)| and each run's held-out loss after
+``--steps`` optimizer steps::
 
   python examples/lm/wire_dtype.py                   # about 10 minutes
   python examples/lm/wire_dtype.py --steps 4 --out /tmp/wire
@@ -19,9 +24,7 @@ Writes ``wire_dtype.json`` and ``wire_dtype.md`` to ``--out`` (default
 """
 
 import argparse
-import dataclasses
 import json
-import os
 import pathlib
 import sys
 import time
@@ -32,9 +35,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import optax_accum
 
@@ -48,70 +48,52 @@ AXIS = "data"
 WIRES = {"float32": None, "bfloat16": jnp.bfloat16}
 
 
-def make_step(cfg: Config, graphdef, tx, mesh, specs):
-  """One micro-batch: the device-local gradient into `tx`, params and
-  state in and out (donated)."""
+def make_step(graphdef, tx, emit: bool):
+  """One micro-batch on every simulated device (``jax.vmap`` over a leading
+  device axis, named `AXIS`): each device's gradient of its share into
+  `tx`; `emit`: this call ends the cycle (the static cycle)."""
 
   def local_step(params, state, tokens, lengths):
     def loss_fn(p):
       return mean_token_loss(nnx.merge(graphdef, p), tokens, lengths)
 
-    # Device-varying params: jax.grad returns this device's gradient.
-    (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-      lax.pcast(params, AXIS, to="varying")
-    )
-    state = optax_accum.drop_device_axis(state)
-    updates, state = tx.update(grads, state, params, weight=count)
-    params = optax_accum.apply_updates(params, updates, state)
-    return params, optax_accum.add_device_axis(state)
+    (_, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, state = tx.update(grads, state, params, weight=count, emit=emit)
+    return optax_accum.apply_updates(params, updates, state), state
 
-  return jax.jit(
-    jax.shard_map(
-      local_step,
-      mesh=mesh,
-      in_specs=(P(), specs, P(AXIS), P(AXIS)),
-      out_specs=(P(), specs),
-    ),
-    donate_argnums=(0, 1),
-  )
+  return jax.jit(jax.vmap(local_step, axis_name=AXIS), donate_argnums=(0, 1))
 
 
-def run(cfg: Config, data, wire: str) -> dict:
+def per_device(tree, devices: int):
+  """Every leaf stacked `devices` times: each device's own copy."""
+  return jax.tree.map(lambda a: jnp.stack([jnp.asarray(a)] * devices), tree)
+
+
+def run(cfg: Config, data, wire: str, devices: int) -> dict:
   """Trains `cfg.steps` optimizer steps with `wire` on the wire."""
-  mesh = jax.make_mesh((jax.device_count(),), (AXIS,))
-  inner = make_tx(dataclasses.replace(cfg), "reference")  # clip + adam
+  inner = make_tx(cfg, "reference")  # the demo's clip + adam + schedule
   tx = optax_accum.accumulate(
     inner, cfg.every_k, axis_name=AXIS, reduce_dtype=WIRES[wire]
   )
   model = TransformerLM(cfg, rngs=nnx.Rngs(cfg.seed))
   graphdef, params = nnx.split(model, nnx.Param)
-  specs = optax_accum.shard_map_specs(jax.eval_shape(tx.init, params), AXIS)
-  init = jax.jit(
-    jax.shard_map(
-      lambda p: optax_accum.add_device_axis(tx.init(p)),
-      mesh=mesh,
-      in_specs=P(),
-      out_specs=specs,
-    )
-  )
-  params = jax.device_put(params, NamedSharding(mesh, P()))
-  state = init(params)
-  step = make_step(cfg, graphdef, tx, mesh, specs)
-  by_rows = NamedSharding(mesh, P(AXIS))
+  state = per_device(tx.init(params), devices)
+  params = per_device(params, devices)
+  steps = [make_step(graphdef, tx, emit) for emit in (False, True)]
   start = time.perf_counter()
   for s in range(cfg.steps):
-    for micro in micro_batches(cfg, step_batch(cfg, data.train, s)):
-      params, state = step(
-        params, state, *jax.device_put(tuple(micro), by_rows)
-      )
-  params = jax.device_get(params)
+    batch = step_batch(cfg, data.train, s)
+    for i, micro in enumerate(micro_batches(cfg, batch)):
+      shares = [a.reshape(devices, -1, *a.shape[1:]) for a in micro]
+      params, state = steps[i == cfg.every_k - 1](params, state, *shares)
+  params = jax.tree.map(lambda a: np.asarray(a[0]), params)  # device 0's
   seconds = time.perf_counter() - start
   nnx.update(model, params)
   return {
     "params": params,
     "heldout": heldout_loss(model, data.heldout, cfg.batch_size),
     "seconds": seconds,
-    "steps": int(np.asarray(state.step)),
+    "steps": int(np.asarray(state.step)[0]),
   }
 
 
@@ -126,7 +108,7 @@ def markdown(payload: dict) -> str:
   a = payload["args"]
   lines = [
     f"{a['steps']} optimizer steps of k={a['every_k']} micro-batches of"
-    f" {a['micro_batch']} samples, {payload['devices']} simulated CPU devices,"
+    f" {a['micro_batch']} samples, {payload['devices']} simulated devices,"
     f" jax {payload['jax']}:",
     "",
     "| seed | held-out loss, float32 wire | held-out loss, bfloat16 wire"
@@ -161,18 +143,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
       f"--micro-batch must be a multiple of --devices ({args.devices});"
       f" got {args.micro_batch}"
     )
-  jax.config.update("jax_num_cpu_devices", args.devices)
-  # Simulated devices are threads of one process. With Eigen's intra-op
-  # threads, XLA:CPU (jax 0.10.2, 2 cores) can park every pool thread in
-  # the all-reduce of the emitting branch while one device's matmul waits
-  # for a thread, and a loaded machine can keep a device away from a
-  # rendezvous for more than the 40 s after which XLA:CPU aborts: one
-  # thread per op, and a longer wait.
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_cpu_multi_thread_eigen=false"
-    + " --xla_cpu_collective_call_terminate_timeout_seconds=1200"
-  )
   seeds = []
   for seed in (int(s) for s in args.seeds.split(",")):
     cfg = Config(
@@ -185,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
       seed=seed,
     )
     data = load_data(cfg)
-    runs = {wire: run(cfg, data, wire) for wire in WIRES}
+    runs = {wire: run(cfg, data, wire, args.devices) for wire in WIRES}
     seeds.append(
       {
         "seed": seed,
@@ -204,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
   payload = {
     "args": vars(args),
-    "devices": jax.device_count(),
+    "devices": args.devices,
     "jax": jax.__version__,
     "optax": optax.__version__,
     "seeds": seeds,
