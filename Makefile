@@ -48,11 +48,14 @@ demo: $(STAMP)
 adaptive: $(STAMP)
 	$(PY) examples/lm/adaptive.py
 
+# The benchmark suite (~10 min on 2 cores), then the pages' figures.
+# bench_comm's sharded table and bench_compiled compile for accelerators.
 bench: $(STAMP) $(ACCEL_STAMP)
 	$(PY) benchmarks/bench_step.py
 	$(PY) benchmarks/bench_train.py
-	$(PY) benchmarks/bench_comm.py
+	JAX_PLATFORMS=cpu PYTHONPATH=$(abspath $(ACCEL)) $(PY) benchmarks/bench_comm.py
 	JAX_PLATFORMS=cpu PYTHONPATH=$(abspath $(ACCEL)) $(PY) benchmarks/bench_compiled.py
+	$(PY) benchmarks/render_readme.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

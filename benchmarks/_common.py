@@ -140,12 +140,15 @@ def train_step(
   tx: optax.GradientTransformation,
   *,
   has_value: bool = False,
+  apply: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
   """``jit(grad -> tx.update -> optax.apply_updates)``, params and state
   donated.
 
   `grad_fn(params, batch)` returns the gradients, or `(value, gradients)`
   with `has_value`; the step returns `(params, state)`, then the value.
+  `apply`: ``optax_accum.apply_updates`` (called with the state) instead of
+  ``optax.apply_updates``.
   """
 
   def step(params, state, batch):
@@ -154,7 +157,10 @@ def train_step(
     else:
       grads = grad_fn(params, batch)
     updates, state = tx.update(grads, state, params)
-    params = optax.apply_updates(params, updates)
+    if apply is None:
+      params = optax.apply_updates(params, updates)
+    else:
+      params = apply(params, updates, state)
     return (params, state, value) if has_value else (params, state)
 
   return jax.jit(step, donate_argnums=(0, 1))

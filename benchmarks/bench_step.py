@@ -62,7 +62,16 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 TARGETS = {
   "micro_vs_floor": Target(
-    "micro/floor", "accumulate micro-step / floor micro-step", "<=", 1.3
+    "micro/floor",
+    "accumulate micro-step (optax_accum.apply_updates) / floor micro-step",
+    "<=",
+    1.3,
+  ),
+  "static_micro_vs_floor": Target(
+    "static/floor",
+    "static-cycle micro-step (emit=False) / floor micro-step",
+    "<=",
+    1.1,
   ),
   "emit_vs_plain": Target(
     "emit/plain", "accumulate emitting step / plain inner step", "<=", 1.3
@@ -75,7 +84,10 @@ TARGETS = {
     1.05,
   ),
   "multisteps_speedup": Target(
-    "MS/acc micro", "MultiSteps micro-step / accumulate micro-step", ">=", 2.0
+    "MS/acc micro",
+    "MultiSteps micro-step / accumulate micro-step (optax_accum.apply_updates)",
+    ">=",
+    2.0,
   ),
   "memory_vs_multisteps": Target(
     "mem acc/MS", "accumulate footprint / MultiSteps footprint", "<=", 1.0
@@ -100,9 +112,10 @@ class FloorState(NamedTuple):
 
 
 def prepare_floor(inner, k: int) -> optax.GradientTransformation:
-  """The least any accumulation pays: add the gradient into an accumulator,
-  return ``where(emit, -lr * acc / k, 0)``, reset on emit (no inner
-  optimizer, no conditional)."""
+  """The least any accumulation pays, static (see `Static`): a micro-step
+  adds the gradient into the accumulator and returns the params untouched;
+  the last call of a cycle applies ``-lr * acc / k`` and resets (no inner
+  optimizer, no conditional). ``update(..., emit=...)``: a Python bool."""
   del inner
 
   def init(params):
@@ -111,18 +124,16 @@ def prepare_floor(inner, k: int) -> optax.GradientTransformation:
       acc=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
     )
 
-  def update(updates, state, params=None):
+  def update(updates, state, params=None, *, emit=False):
     del params
-    count = state.count + 1
-    emit = count >= k
     acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), state.acc, updates)
+    if not emit:
+      return None, FloorState(state.count + 1, acc)
     new_updates = jax.tree.map(
-      lambda a, g: jnp.where(emit, (-LEARNING_RATE / k) * a, 0).astype(g.dtype),
-      acc,
-      updates,
+      lambda a, g: ((-LEARNING_RATE / k) * a).astype(g.dtype), acc, updates
     )
-    acc = jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc)
-    return new_updates, FloorState(jnp.where(emit, 0, count), acc)
+    zeros = jax.tree.map(jnp.zeros_like, acc)
+    return new_updates, FloorState(jnp.zeros([], jnp.int32), zeros)
 
   return optax.GradientTransformation(init, update)
 
@@ -134,7 +145,9 @@ def prepare_plain(inner, k: int) -> optax.GradientTransformation:
 
 
 def prepare_accumulate(inner, k: int) -> optax.GradientTransformation:
-  """``optax_accum.accumulate(inner, k)``."""
+  """``optax_accum.accumulate(inner, k)``; ``+apply``: the updates applied
+  with ``optax_accum.apply_updates``; ``+static``: that, and ``emit=``
+  from the host (`Static`)."""
   return optax_accum.accumulate(inner(), k)
 
 
@@ -157,10 +170,50 @@ VARIANTS = {
   "floor": prepare_floor,
   "plain": prepare_plain,
   "accumulate": prepare_accumulate,
+  "accumulate+apply": prepare_accumulate,
+  "accumulate+static": prepare_accumulate,
   "accumulate+noise": prepare_noise,
   "MultiSteps": prepare_multisteps,
   "apply_every": prepare_apply_every,
 }
+# How each variant's step applies its updates (default: optax.apply_updates
+# on every call, one compiled step).
+APPLY = {"accumulate+apply": "accum", "accumulate+static": "static"}
+APPLY["floor"] = "static"
+
+
+class Static:
+  """The static cycle's step: two compiled programs, ``emit=False`` and
+  ``emit=True``, picked on the host by a call counter (every k-th call
+  emits), each ``grad -> update(..., emit=) -> apply``, params and state
+  donated. Its memory is the larger program's."""
+
+  def __init__(self, grad_fn, tx, k: int, params, state, batch):
+    def step(params, state, batch, emit):
+      updates, state = tx.update(
+        grad_fn(params, batch), state, params, emit=emit
+      )
+      if isinstance(state, FloorState):  # the floor applies its own
+        if updates is not None:
+          params = optax.apply_updates(params, updates)
+        return params, state
+      return optax_accum.apply_updates(params, updates, state), state
+
+    jitted = jax.jit(step, donate_argnums=(0, 1), static_argnames="emit")
+    self.programs = [
+      jitted.lower(params, state, batch, emit=emit).compile()
+      for emit in (False, True)
+    ]
+    self.k, self.calls = k, 0
+
+  def __call__(self, params, state, batch):
+    emit = self.calls % self.k == self.k - 1
+    self.calls += 1
+    return self.programs[emit](params, state, batch)
+
+  def memory(self) -> dict[str, Any]:
+    memories = [compiled_memory(p) for p in self.programs]
+    return max(memories, key=lambda m: m["footprint"])
 
 
 # --- Measuring one configuration. ------------------------------------------
@@ -190,10 +243,16 @@ def measure(config: Config, micro_batch: int, run: Run) -> dict[str, Any]:
     tx = prepare(OPTIMIZERS[config.optimizer], config.k)
     params = jax.tree.map(jnp.copy, problem.params)
     state = tx.init(params)
-    step = train_step(jax.grad(problem.loss), tx)
-    compiled = step.lower(params, state, problem.batch).compile()
-    memory[name] = compiled_memory(compiled)
-    carries[name] = Carry(compiled, params, state)
+    grad_fn = jax.grad(problem.loss)
+    if APPLY.get(name) == "static":
+      step = Static(grad_fn, tx, config.k, params, state, problem.batch)
+      memory[name] = step.memory()
+    else:
+      apply = optax_accum.apply_updates if APPLY.get(name) else None
+      step = train_step(grad_fn, tx, apply=apply)
+      step = step.lower(params, state, problem.batch).compile()
+      memory[name] = compiled_memory(step)
+    carries[name] = Carry(step, params, state)
     run.advance()
 
   param_bytes = tree_bytes(problem.params)
@@ -293,11 +352,18 @@ def ratios(rounds: dict, memory: dict, result: dict) -> tuple[dict, dict]:
 
   fp = {name: m["footprint"] for name, m in memory.items()}
   single = {
-    "micro_vs_floor": div("accumulate", "micro", "floor", "micro"),
+    "micro_vs_floor": div("accumulate+apply", "micro", "floor", "micro"),
+    "static_micro_vs_floor": div(
+      "accumulate+static", "micro", "floor", "micro"
+    ),
+    "optax_micro_vs_floor": div("accumulate", "micro", "floor", "micro"),
     "emit_vs_plain": div("accumulate", "emit", "plain", "call"),
+    "static_emit_vs_plain": div("accumulate+static", "emit", "plain", "call"),
     "extra_memory": (fp["accumulate"] - fp["plain"])
     / result["accumulator_bytes"],
-    "multisteps_speedup": div("MultiSteps", "micro", "accumulate", "micro"),
+    "multisteps_speedup": div(
+      "MultiSteps", "micro", "accumulate+apply", "micro"
+    ),
     "memory_vs_multisteps": fp["accumulate"] / fp["MultiSteps"],
     "noise_micro_vs_floor": div("accumulate+noise", "micro", "floor", "micro"),
     "noise_micro_vs_accumulate": div(

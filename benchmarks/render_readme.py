@@ -30,7 +30,11 @@ RESULTS = HERE / "results"
 LM_RESULTS = HERE.parent / "examples" / "lm" / "results"
 # The pages with results blocks: this guide, and the scaling guide (the
 # wire dtype's accuracy).
-PAGES = (README, HERE.parent / "examples" / "README.md")
+PAGES = (
+  README,
+  HERE.parent / "examples" / "README.md",
+  HERE.parent / "README.md",
+)
 MB = 2**20
 
 BLOCK = re.compile(
@@ -296,6 +300,7 @@ def wire_dtype(payload: dict[str, Any]) -> str:
       f"{r['heldout']['bfloat16']:.4f}",
       f"{r['heldout']['bfloat16'] - r['heldout']['float32']:+.1e}",
       f"{r['max_abs_params_diff']:.1e}",
+      f"{r['float32_one_device_params_diff']:.1e}",
     ]
     for r in payload["seeds"]
   ]
@@ -310,9 +315,129 @@ def wire_dtype(payload: dict[str, Any]) -> str:
         "bfloat16 wire",
         "difference",
         "max abs params difference",
+        "float32 on one device vs 8: max abs params difference",
       ],
       rows,
     )
+  )
+
+
+def _pick(rows, **match):
+  return next(
+    (r for r in rows if all(r["case"][k] == v for k, v in match.items())),
+    None,
+  )
+
+
+def performance(payloads: dict[str, dict[str, Any]]) -> str:
+  """The README's headline figures, from three results files."""
+  step, comm, compiled = (
+    payloads[n] for n in ("bench_step", "bench_comm", "bench_compiled")
+  )
+  k = max(r["k"] for r in step["results"])
+  size = max(r["size_mb"] for r in step["results"])
+  (r,) = [
+    x
+    for x in step["results"]
+    if (x["k"], x["size_mb"], x["optimizer"], x["dtype"])
+    == (k, size, "adam", "float32")
+  ]
+  ratio = r["spread"]["ratios"]
+  kmax = max(x["k"] for x in comm["results"])
+  traffic = {x["recipe"]: x for x in comm["results"] if x["k"] == kmax}
+  rows_c = compiled["rows"]
+
+  def kernel(target, **match):
+    ours = _pick(rows_c, target=target, **match)
+    floor = _pick(
+      rows_c,
+      target=target,
+      variant="floor",
+      engine=match["engine"],
+      dtype="f32",
+    )
+    return ours["bytes"]["micro-step"] / floor["bytes"]["micro-step"]
+
+  h100 = dict(engine="local", dtype="f32")
+  emit = _pick(
+    rows_c,
+    target="h100x8",
+    engine="unreduced",
+    dtype="f32",
+    variant="accumulate",
+    apply="accum",
+    emit="emit",
+  )
+  overlap = emit["overlap"]
+  sharded = {
+    (x["target"], x["layout"], x["wire"]): x for x in comm.get("sharded", [])
+  }
+  rows = [
+    [
+      f"CPU, adam, float32, {size:g} MB of params, k={k}: micro-step / floor"
+      " (gradient + add, nothing else)",
+      _spread(ratio["micro_vs_floor"]),
+      "bench_step",
+    ],
+    [
+      "the same, static cycle (`emit=False`)",
+      _spread(ratio["static_micro_vs_floor"]),
+      "bench_step",
+    ],
+    [
+      "`optax.MultiSteps` micro-step / ours",
+      _spread(ratio["multisteps_speedup"], suffix="x"),
+      "bench_step",
+    ],
+    [
+      "extra memory / accumulator bytes",
+      f"{r['ratios']['extra_memory']:.2f}",
+      "bench_step",
+    ],
+    [
+      f"8 devices, k={kmax}: MiB all-reduced per optimizer step, deferred"
+      " (plain `jit`) vs every micro-batch",
+      f"{traffic['jit_unreduced']['bytes_per_step'] / MB:.2f} vs"
+      f" {traffic['gspmd']['bytes_per_step'] / MB:.2f}",
+      "bench_comm",
+    ],
+    [
+      "one H100, compiled: micro-step kernel bytes / floor, ours vs"
+      " `optax.MultiSteps`",
+      f"{kernel('h100', variant='accumulate', apply='accum', emit='traced', **h100):.2f}"
+      f" vs {kernel('h100', variant='MultiSteps', **h100):.2f}",
+      "bench_compiled",
+    ],
+    [
+      "8 H100s, compiled, `emit=True`: leaf all-reduces started during the"
+      " backward pass",
+      f"{overlap['started_before_last_gemm']} of {overlap['reductions']}",
+      "bench_compiled",
+    ],
+  ]
+  hsdp, fsdp = (
+    sharded.get(("v5e_2x4", "hsdp", "f32")),
+    sharded.get(("v5e_2x4", "fsdp", "f32")),
+  )
+  if hsdp and fsdp:
+    last = list(hsdp["reduced_per_step"])[-1]
+    across = lambda x: sum(  # noqa: E731
+      b for a, b in x["reduced_per_step"][last].items() if "replica" in a
+    )
+    rows.append(
+      [
+        f"TPU v5e 2x4, compiled, k={last}: MiB reduced across replicas per"
+        " optimizer step, HSDP vs FSDP",
+        f"{across(hsdp) / MB:.0f} vs {across(fsdp) / MB:.0f}",
+        "bench_comm",
+      ]
+    )
+  m = step["machine"]
+  return (
+    f"Timed on {m['cpu_count']} CPUs ({m['backend']}, jax {m['jax']},"
+    f" {m['timestamp'][:10]}): median (min-max) over"
+    f" {step['args']['repeats']} repeats; accelerators compiled without"
+    " the devices, nothing timed.\n\n" + _table(["", "", "script"], rows)
   )
 
 
@@ -323,11 +448,17 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
   "bench_comm-sharded": bench_comm_sharded,
   "bench_compiled": bench_compiled,
   "wire_dtype": wire_dtype,
+  "performance": performance,
 }
 # Where each block's JSON is, when not RESULTS / f"{name}.json".
 SOURCES = {
   "bench_comm-sharded": RESULTS / "bench_comm.json",
   "wire_dtype": LM_RESULTS / "wire_dtype.json",
+  # Several files: the renderer gets {name: payload}.
+  "performance": tuple(
+    RESULTS / f"{n}.json"
+    for n in ("bench_step", "bench_comm", "bench_compiled")
+  ),
 }
 
 
@@ -337,8 +468,12 @@ def render(text: str, results: Path = RESULTS) -> str:
   def block(match: re.Match) -> str:
     name = match.group("name")
     path = SOURCES.get(name, results / f"{name}.json")
-    if not path.is_file():
-      body = f"(no `{path.name}` yet: run `make bench`)\n"
+    paths = path if isinstance(path, tuple) else (path,)
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+      body = f"(no `{missing[0]}` yet: run `make bench`)\n"
+    elif isinstance(path, tuple):
+      body = RENDERERS[name]({p.stem: json.loads(p.read_text()) for p in paths})
     else:
       body = RENDERERS[name](json.loads(path.read_text()))
     return f"{match.group(1)}{body}{match.group(4)}"

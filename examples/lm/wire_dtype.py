@@ -12,11 +12,13 @@ step (the static cycle: ``emit=`` from the loop). With
 ``reduce_dtype=jnp.bfloat16`` each device's sum is rounded to bfloat16 and
 summed in bfloat16, as it would cross devices (half the bytes of float32;
 the accumulator itself stays float32). Two runs per seed, from the same
-initialization on the same data, one per wire dtype; reported per seed: the
-max |params(bf16) - params(f32)| and each run's held-out loss after
-``--steps`` optimizer steps::
+initialization on the same data, one per wire dtype, and the float32 run on
+one device (float32's own rounding: its sums run in another order);
+reported per seed after ``--steps`` optimizer steps: the held-out losses,
+the max |params(bf16) - params(f32)| and the max |params(f32, one device) -
+params(f32)|::
 
-  python examples/lm/wire_dtype.py                   # about 10 minutes
+  python examples/lm/wire_dtype.py                   # about 3 minutes
   python examples/lm/wire_dtype.py --steps 4 --out /tmp/wire
 
 Writes ``wire_dtype.json`` and ``wire_dtype.md`` to ``--out`` (default
@@ -112,13 +114,14 @@ def markdown(payload: dict) -> str:
     f" jax {payload['jax']}:",
     "",
     "| seed | held-out loss, float32 wire | held-out loss, bfloat16 wire"
-    " | max abs params diff |",
-    "|---|---|---|---|",
+    " | max abs params diff, bf16 vs f32 | f32, one device vs 8 |",
+    "|---|---|---|---|---|",
   ]
   for r in payload["seeds"]:
     lines.append(
       f"| {r['seed']} | {r['heldout']['float32']:.4f} |"
       f" {r['heldout']['bfloat16']:.4f} | {r['max_abs_params_diff']:.1e} |"
+      f" {r['float32_one_device_params_diff']:.1e} |"
     )
   return "\n".join(lines) + "\n"
 
@@ -156,12 +159,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     data = load_data(cfg)
     runs = {wire: run(cfg, data, wire, args.devices) for wire in WIRES}
+    one_device = run(cfg, data, "float32", 1)
     seeds.append(
       {
         "seed": seed,
         "heldout": {w: r["heldout"] for w, r in runs.items()},
         "max_abs_params_diff": max_abs_diff(
           runs["float32"]["params"], runs["bfloat16"]["params"]
+        ),
+        "float32_one_device_params_diff": max_abs_diff(
+          runs["float32"]["params"], one_device["params"]
         ),
         "seconds": {w: r["seconds"] for w, r in runs.items()},
       }
