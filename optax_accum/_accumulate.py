@@ -62,7 +62,7 @@ from optax_accum import (
   _weighting,
 )
 from optax_accum._noise_scale import NoiseStats
-from optax_accum._state import AccumulateState
+from optax_accum._state import AccumulateState, NoiseScaleState
 
 EveryK = int | Callable[..., Any] | _every_k.GrowEveryK
 
@@ -255,10 +255,11 @@ def _check_state(state: Any, track_noise_scale: bool) -> None:
       "`state` must be the AccumulateState returned by this"
       f" transformation's init, got {type(state).__name__}."
     )
-  if (state.noise is not None) != track_noise_scale:
+  tracked = isinstance(state.noise, NoiseScaleState)
+  if tracked != track_noise_scale:
     raise ValueError(
       "`state` was made by an accumulate with"
-      f" track_noise_scale={state.noise is not None}, but this one has"
+      f" track_noise_scale={tracked}, but this one has"
       f" track_noise_scale={track_noise_scale}."
     )
 
@@ -511,9 +512,10 @@ def _add_noise(
 ) -> Any:
   """The noise-scale sums after `micro`: measured here, or by the gradient
   helper (`stats`, unreduced engine); `summed`: gradients="sum";
-  `sample_axes`: see :func:`_noise_scale.sq_norm`."""
-  if noise is None:
-    return None
+  `sample_axes`: see :func:`_noise_scale.sq_norm`. An untracked `noise` (an
+  empty record) passes through."""
+  if not isinstance(noise, NoiseScaleState):
+    return noise
   if stats is not None:
     return _noise_scale.add_stats(
       noise, stats, micro.weight, micro.accepted, fresh
@@ -723,7 +725,7 @@ def _reduce(config, engine, plan, acc, weight, noise, per_leaf):
     return jax.tree.map(lambda a, d: a.astype(d), acc, kept), weight, noise
   if engine.kind == _engine.SHARD_MAP:
     scalars = (weight,)
-    if noise is not None:  # The count as float32, to join the reduction.
+    if config.track_noise_scale:  # The count as float32, to join the sum.
       scalars += (noise.sq_norm_sum, noise.count.astype(jnp.float32))
     if per_leaf:
       leaves, treedef = jax.tree.flatten(acc)
@@ -734,7 +736,7 @@ def _reduce(config, engine, plan, acc, weight, noise, per_leaf):
       acc = jax.tree.unflatten(treedef, reduced + last)
     else:
       acc, scalars = lax.psum((acc, scalars), config.axis_name)
-    if noise is not None:
+    if config.track_noise_scale:
       noise = noise._replace(
         sq_norm_sum=scalars[1], count=scalars[2].astype(jnp.int32)
       )
@@ -767,8 +769,8 @@ def _cleared_after_reduction(engine, acc, total, cycle_end):
 
 def _fold_noise(config, noise, acc, inv_weight, weight, mean_sq):
   """The ended cycle folded into the noise-scale averages."""
-  if noise is None:
-    return None
+  if not config.track_noise_scale:
+    return noise
   if mean_sq is None:  # The global mean, known only after the all-reduce.
     mean_sq = _noise_scale.sq_norm(acc, inv_weight, config.axis_name)
   return _noise_scale.fold_cycle(
@@ -788,7 +790,7 @@ class _Cycle(NamedTuple):
   weight: jax.Array  # float32[]: its (device-local) total weight.
   micro_step: jax.Array  # int32[]: micro-batches accepted in it.
   end: jax.Array  # bool[]: this call ends the cycle.
-  noise: Any  # NoiseScaleState or None.
+  noise: Any  # NoiseScaleState, or optax.EmptyState() when not tracked.
   mean_sq: Any  # |mean gradient|^2 measured outside, or None.
   inner_state: Any
   params: Any
@@ -1017,7 +1019,7 @@ class _End(NamedTuple):
 def _traced_end(config, engine, inner, plan, extra_args, cycle) -> _End:
   """The device decides whether this call ends the cycle (the default)."""
   enter = _enters_emitting_branch(cycle.end, cycle.weight, engine, plan)
-  if cycle.noise is not None and config.axis_name is None:
+  if config.track_noise_scale and config.axis_name is None:
     cycle = cycle._replace(
       mean_sq=_local_mean_sq_norm(enter, cycle.acc, cycle.weight)
     )
@@ -1053,7 +1055,7 @@ def _traced_end(config, engine, inner, plan, extra_args, cycle) -> _End:
 def _static_end(config, engine, inner, plan, extra_args, cycle) -> _End:
   """``emit=True``: the caller says this call ends the cycle. No
   conditional (see :func:`_emission`); the accumulator is left at zeros."""
-  if cycle.noise is not None and config.axis_name is None:
+  if config.track_noise_scale and config.axis_name is None:
     cycle = cycle._replace(mean_sq=_mean_sq_norm(cycle.acc, cycle.weight))
   updates, inner_state, emitted, weight, noise, total = _emission(
     config, engine, inner, plan, extra_args, cycle, static=True
@@ -1249,7 +1251,9 @@ def _init(config: _Config, params: optax.Params) -> AccumulateState:
     inner_state=config.inner(every_k).init(params),
     num_skipped=jnp.zeros([], jnp.int32),
     emitted=jnp.zeros([], jnp.bool_),
-    noise=_noise_scale.init() if config.track_noise_scale else None,
+    noise=(
+      _noise_scale.init() if config.track_noise_scale else optax.EmptyState()
+    ),
     grow=_every_k.init_grow(config.every_k),
   )
 

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from optax_accum import _checks, _noise_scale, _state
 from optax_accum._state import GrowState, NoiseScaleState
@@ -264,9 +265,10 @@ def first(spec: Spec) -> jax.Array:
   return _scheduled(spec, zero, jnp.zeros([], jnp.float32))
 
 
-def init_grow(spec: Spec) -> GrowState | None:
+def init_grow(spec: Spec) -> GrowState | optax.EmptyState:
+  """The controller's state; an empty record without a controller."""
   if spec.grow is None:
-    return None
+    return optax.EmptyState()
   return GrowState(changed_at=jnp.zeros([], jnp.int32))
 
 
@@ -318,16 +320,16 @@ def _grown(
 def next_k(
   spec: Spec,
   k: jax.Array,
-  grow_state: GrowState | None,
+  grow_state: GrowState | optax.EmptyState,
   *,
   step: jax.Array,
   weight_seen: jax.Array,
-  noise: NoiseScaleState | None,
+  noise: NoiseScaleState | optax.EmptyState,
   cycle_weight: jax.Array,
   cycle_micro_batches: jax.Array,
   emitted: jax.Array,
   decay: float,
-) -> tuple[jax.Array, GrowState | None]:
+) -> tuple[jax.Array, GrowState | optax.EmptyState]:
   """The k of the next cycle (called when a cycle ends), and the new
   controller state. `step` and `weight_seen` are after this cycle."""
   if spec.fixed is not None:

@@ -54,7 +54,10 @@ class AccumulateState(NamedTuple):
 
   Every leaf is an array, so the state can be saved and restored mid-cycle
   with any pytree serializer, carried through ``lax.scan``, donated to
-  ``jit`` and sharded like the parameters.
+  ``jit`` and sharded like the parameters. No field is ``None``: an unused
+  record is an ``optax.EmptyState()``, which has no leaves and which every
+  tree walker (``flax.serialization.to_state_dict``, Orbax) handles as
+  optax's own states.
 
   Attributes:
     micro_step: ``int32[]``. Micro-batches accepted in the current cycle
@@ -89,9 +92,9 @@ class AccumulateState(NamedTuple):
     emitted: ``bool[]``. Whether the most recent ``update`` emitted a real
       update (read it with :func:`has_updated`).
     noise: A :class:`NoiseScaleState` with ``track_noise_scale=True``,
-      else ``None``.
+      else ``optax.EmptyState()``.
     grow: A :class:`GrowState` with ``every_k=grow_every_k(...)``, else
-      ``None``.
+      ``optax.EmptyState()``.
   """
 
   micro_step: jax.Array  # int32[]
@@ -103,8 +106,8 @@ class AccumulateState(NamedTuple):
   inner_state: optax.OptState
   num_skipped: jax.Array  # int32[]
   emitted: jax.Array  # bool[]
-  noise: NoiseScaleState | None
-  grow: GrowState | None
+  noise: NoiseScaleState | optax.EmptyState
+  grow: GrowState | optax.EmptyState
 
 
 # The fields that hold one device's own, unreduced sums during a cycle when
@@ -114,6 +117,7 @@ DEVICE_LOCAL_FIELDS = {
   AccumulateState: ("acc_grads", "acc_weight"),
   NoiseScaleState: ("sq_norm_sum", "count"),
   GrowState: (),
+  optax.EmptyState: (),  # `noise` or `grow` when unused
 }
 
 
