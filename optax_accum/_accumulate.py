@@ -143,18 +143,20 @@ class _Config:
 
 def _as_transformation(inner: Any) -> optax.GradientTransformationExtraArgs:
   """`inner` with extra-args support; raises naming `inner` otherwise."""
+  init, update = (getattr(inner, name, None) for name in ("init", "update"))
+  if not (callable(init) and callable(update)):
+    hint = ""
+    if isinstance(inner, optax.GradientTransformation):
+      hint = " Its `init` and `update` must both be callable."
+    elif callable(inner):
+      name = getattr(inner, "__name__", "the factory")
+      hint = f" Did you mean to call it, e.g. `{name}(1e-3)`?"
+    raise TypeError(
+      "`inner` must be an optax.GradientTransformation, e.g."
+      f" `optax.adam(1e-3)`; got {inner!r} of type"
+      f" {type(inner).__name__}.{hint}"
+    )
   if not isinstance(inner, optax.GradientTransformation):
-    init, update = (getattr(inner, name, None) for name in ("init", "update"))
-    if not (callable(init) and callable(update)):
-      hint = ""
-      if callable(inner):
-        name = getattr(inner, "__name__", "the factory")
-        hint = f" Did you mean to call it, e.g. `{name}(1e-3)`?"
-      raise TypeError(
-        "`inner` must be an optax.GradientTransformation, e.g."
-        f" `optax.adam(1e-3)`; got {inner!r} of type"
-        f" {type(inner).__name__}.{hint}"
-      )
     inner = optax.GradientTransformation(init, update)
   return optax.with_extra_args_support(inner)
 
@@ -264,54 +266,104 @@ def _check_state(state: Any, track_noise_scale: bool) -> None:
     )
 
 
-def _check_grads_match(grads: Any, acc_grads: Any) -> None:
-  """Raises naming the first leaf where the trees, shapes or kinds differ."""
-  grads_flat, grads_def = jax.tree_util.tree_flatten_with_path(grads)
+def _check_tree_matches(name: str, tree: Any, acc_grads: Any) -> list:
+  """Raises naming `name` and the first leaf where the tree or a shape
+  differs from the accumulator's (the params given to `init`).
+
+  Returns:
+    ``(key path, leaf, accumulator leaf)`` of every leaf.
+  """
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
   acc_flat, acc_def = jax.tree_util.tree_flatten_with_path(acc_grads)
-  if grads_def != acc_def:
-    grads_paths = [jax.tree_util.keystr(p) for p, _ in grads_flat]
+  if treedef != acc_def:
+    paths = [jax.tree_util.keystr(p) for p, _ in flat]
     acc_paths = [jax.tree_util.keystr(p) for p, _ in acc_flat]
-    missing = sorted(set(acc_paths) - set(grads_paths))
-    extra = sorted(set(grads_paths) - set(acc_paths))
+    missing = sorted(set(acc_paths) - set(paths))
+    extra = sorted(set(paths) - set(acc_paths))
     raise ValueError(
-      "`updates` must have the tree structure of the params given to"
+      f"`{name}` must have the tree structure of the params given to"
       f" `init`; missing leaves: {missing or 'none'}, unexpected leaves:"
-      f" {extra or 'none'}. Got structure {grads_def}, expected {acc_def}."
+      f" {extra or 'none'}. Got structure {treedef}, expected {acc_def}."
     )
-  for (path, g), (_, a) in zip(grads_flat, acc_flat, strict=True):
+  leaves = []
+  for (path, x), (_, a) in zip(flat, acc_flat, strict=True):
     where = jax.tree_util.keystr(path)
-    if np.shape(g) != np.shape(a):
+    if np.shape(x) != np.shape(a):
       raise ValueError(
-        f"`updates` leaf {where} has shape {np.shape(g)}, but the params"
+        f"`{name}` leaf {where} has shape {np.shape(x)}, but the params"
         f" given to `init` have shape {np.shape(a)} there."
       )
+    leaves.append((where, x, a))
+  return leaves
+
+
+def _dtype_of(x: Any) -> Any:
+  # `.dtype` first: jax.grad's float0 zeros are NumPy arrays JAX cannot read.
+  return np.dtype(x.dtype) if hasattr(x, "dtype") else jnp.result_type(x)
+
+
+def _check_grads_match(grads: Any, acc_grads: Any) -> None:
+  """Raises naming the first leaf where the trees, shapes or kinds differ."""
+  for where, g, a in _check_tree_matches("updates", grads, acc_grads):
     if jnp.iscomplexobj(g) and not jnp.iscomplexobj(a):
       raise TypeError(
         f"`updates` leaf {where} is complex ({jnp.result_type(g)}) but the"
         " params given to `init` are real there: the imaginary part would"
         " be lost. Take real gradients, or make those params complex."
       )
+    # Python ints too: the mean would be emitted in their dtype, truncated.
+    dtype = _dtype_of(g)
+    if jnp.issubdtype(a.dtype, jnp.inexact) and not jnp.issubdtype(
+      dtype, jnp.inexact
+    ):
+      raise TypeError(
+        f"`updates` leaf {where} has dtype {dtype}, but its accumulator is"
+        f" {a.dtype}: gradients must be floating (or complex). An integer"
+        " or boolean gradient is usually something else passed by mistake"
+        " (a mask, labels, a count); to accumulate such values on purpose,"
+        " cast them first, e.g. `g.astype(jnp.float32)`."
+      )
 
 
-def _check_weight(weight: Any) -> jax.Array:
-  """`weight` as a float32[]; raises naming it. Concrete negatives raise."""
+def _check_params_match(params: Any, acc_grads: Any) -> None:
+  """Raises naming `params` where they are not the params given to `init`
+  (the inner optimizer reads them, and apply_updates adds to them)."""
+  if params is not None:
+    _check_tree_matches("params", _gradient_params(params), acc_grads)
+
+
+def _check_weight(weight: Any, skip_nonfinite: bool) -> jax.Array:
+  """`weight` as a float32[]; raises naming it. A concrete negative weight
+  raises, and so does a concrete NaN or Inf unless `skip_nonfinite` (which
+  drops that micro-batch); a traced one is used as given."""
   w = _checks.real_scalar(
     weight, "`weight` must be", " (one value per micro-batch)"
   )
-  if not isinstance(w, jax.core.Tracer) and np.asarray(w) < 0:
-    raise ValueError(f"`weight` must be >= 0, got {np.asarray(w)}.")
+  if not isinstance(w, jax.core.Tracer):
+    value = np.asarray(w)
+    if value < 0:
+      raise ValueError(f"`weight` must be >= 0, got {value}.")
+    if not (np.isfinite(value) or skip_nonfinite):
+      raise ValueError(
+        f"`weight` must be finite, got {value}: the cycle's mean would be"
+        " NaN. Build accumulate with `skip_nonfinite=True` to drop such"
+        " micro-batches instead."
+      )
   return w.astype(jnp.float32)
 
 
 def _check_flush(flush: Any) -> jax.Array:
   """`flush` as a bool[]; raises naming it."""
-  is_bool_scalar = not (flush is None or isinstance(flush, str | bytes)) and (
-    jnp.result_type(flush) == jnp.bool_ and jnp.ndim(flush) == 0
-  )
+  try:
+    is_bool_scalar = not (flush is None or isinstance(flush, str | bytes)) and (
+      jnp.result_type(flush) == jnp.bool_ and jnp.ndim(flush) == 0
+    )
+  except (TypeError, ValueError):  # a list, an arbitrary object
+    is_bool_scalar = False
   if not is_bool_scalar:
     raise TypeError(
       "`flush` must be a boolean scalar (True ends the cycle at this call),"
-      f" got {flush!r}."
+      f" got {flush!r} of type {type(flush).__name__}."
     )
   return jnp.asarray(flush)
 
@@ -386,14 +438,20 @@ def _accept(
   config: _Config,
   engine: _engine.Engine,
   grads: Any,
-  weight: Any,
-  flush: Any,
+  weight: jax.Array | None,
+  flush: jax.Array,
+  may_flush: bool,
 ) -> _MicroBatch:
-  """Checks the call's arguments; decides whether the micro-batch counts."""
+  """Decides whether the micro-batch counts.
+
+  Args:
+    weight, flush: As checked by :func:`_check_weight` (None: no weight
+      given) and :func:`_check_flush`.
+    may_flush: `flush` was not a Python False (which needs no collective).
+  """
   weighted = weight is not None
-  weight = _check_weight(weight) if weighted else jnp.ones([], jnp.float32)
-  may_flush = flush is not False  # a Python False needs no collective
-  flush = _check_flush(flush)
+  if not weighted:
+    weight = jnp.ones([], jnp.float32)
   accepted = jnp.asarray(True)
   if config.skip_nonfinite:
     grads_finite = engine.all_finite(grads)
@@ -1182,7 +1240,13 @@ def _update(
 ) -> tuple[optax.Updates, AccumulateState]:
   _check_state(state, config.track_noise_scale)
   _check_grads_match(updates, state.acc_grads)
+  _check_params_match(params, state.acc_grads)
   emit = _check_emit(emit, flush)
+  # Checked before any jit below, so that concrete values are seen.
+  checked_weight = (
+    None if weight is None else _check_weight(weight, config.skip_nonfinite)
+  )
+  checked_flush = _check_flush(flush)
   engine = _engine.for_update(config.axis_name, updates, state.acc_grads)
   noise_stats = _check_noise_stats(config, engine, noise_stats)
   inner = config.inner(state.every_k)
@@ -1195,7 +1259,14 @@ def _update(
       updates, state, params, noise_stats=noise_stats, **options, **extra_args
     )
 
-  micro = _accept(config, engine, updates, weight, flush)
+  micro = _accept(
+    config,
+    engine,
+    updates,
+    checked_weight,
+    checked_flush,
+    may_flush=flush is not False,
+  )
   acc, total_weight = _add(config, engine, state, micro)
   micro_step = state.micro_step + micro.accepted.astype(jnp.int32)
   noise = _add_noise(
@@ -1307,8 +1378,12 @@ def accumulate(
     nothing, even if its gradient is NaN or Inf (the 0/0 per-token mean of
     an all-padding micro-batch); a cycle whose total weight is not positive
     emits zeros, leaves ``inner``'s state and ``step`` unchanged and
-    produces no NaN. Weights must be :math:`\geq 0`: a concrete negative
-    weight raises, a traced one (under ``jit``) is used as given;
+    produces no NaN. Weights must be finite and :math:`\geq 0`: a concrete
+    negative weight raises, and so does a concrete NaN or Inf unless
+    ``skip_nonfinite`` drops it (below). A traced weight (under ``jit``) is
+    used as given: a NaN or Inf weight makes the cycle's gradient NaN (with
+    ``gradients="sum"``, an Inf weight makes it zero) and that reaches
+    ``inner``, unless ``skip_nonfinite``;
   * ``flush=True`` ends the cycle at this call, however many micro-batches
     it holds, normalised by what was actually accumulated (the partial last
     window of an epoch); on an empty cycle it emits nothing;
@@ -1385,13 +1460,18 @@ def accumulate(
 
   Raises:
     TypeError, ValueError: At construction, for an ``inner`` that is not a
-      transformation, a bad ``every_k`` (0, negative, float, bool, str,
-      None, beyond int32, a schedule whose value at step 0 is not a real
-      scalar), ``reduction``, ``accumulator_dtype``, ``axis_name``,
-      non-bool ``skip_nonfinite`` or ``track_noise_scale``, or
-      ``noise_scale_decay``. At trace time, for gradients whose tree,
-      shapes or (complex vs real) kind differ from the params, or a
-      ``weight`` or ``flush`` that is not a real or boolean scalar; with
+      transformation (or whose ``init`` or ``update`` is not callable), a
+      bad ``every_k`` (0, negative, float, bool, str, None, beyond int32, a
+      schedule that takes neither ``(step)`` nor ``(step, weight_seen)`` or
+      whose value at step 0 is not a real scalar), ``reduction``,
+      ``accumulator_dtype``, ``axis_name``, non-bool ``skip_nonfinite`` or
+      ``track_noise_scale``, or ``noise_scale_decay``. At trace
+      time, for gradients whose tree, shapes or (complex vs real) kind
+      differ from the params, integer or boolean gradients for a floating
+      accumulator, ``params`` whose tree or shapes differ from those given
+      to ``init``, a ``weight`` or ``flush`` that is not a real or boolean
+      scalar, a concrete negative ``weight`` or (without
+      ``skip_nonfinite``) a concrete NaN or Inf one; with
       ``axis_name`` outside ``shard_map``: no mesh, an axis that is not
       explicit, gradients or an accumulator that are not unreduced over
       it (ValueError), a JAX without unreduced shardings (RuntimeError);

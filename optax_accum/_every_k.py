@@ -195,14 +195,24 @@ class Spec(NamedTuple):
   grow: GrowEveryK | None  # The controller.
 
 
-def _takes_two_arguments(fn: Callable) -> bool:
+def _takes_weight_seen(schedule: Callable) -> bool:
+  """Whether `schedule` is ``every_k(step, weight_seen)`` rather than
+  ``every_k(step)``; raises naming `every_k` if it is neither."""
   try:
-    inspect.signature(fn).bind(0, 0)
-  except TypeError:
+    signature = inspect.signature(schedule)
+  except (TypeError, ValueError):  # no signature (some builtins): the step
     return False
-  except ValueError:  # no signature (some builtins): call it with the step
-    return False
-  return True
+  for arguments, takes_weight in (((0, 0), True), ((0,), False)):
+    try:
+      signature.bind(*arguments)
+    except TypeError:
+      continue
+    return takes_weight
+  raise TypeError(
+    "`every_k` schedule must take the optimizer step, `every_k(step)`, or"
+    " the step and the weight seen, `every_k(step, weight_seen)`; got"
+    f" {schedule!r} with signature {signature}."
+  )
 
 
 def check(every_k: Any, track_noise_scale: bool) -> Spec:
@@ -215,7 +225,7 @@ def check(every_k: Any, track_noise_scale: bool) -> Spec:
       )
     return Spec(None, None, False, every_k)
   if callable(every_k) and not isinstance(every_k, jax.Array):
-    spec = Spec(None, every_k, _takes_two_arguments(every_k), None)
+    spec = Spec(None, every_k, _takes_weight_seen(every_k), None)
     first(spec)  # a bad schedule fails here, not at the first update
     return spec
   k = _checks.positive_int(
