@@ -43,7 +43,7 @@ accumulator is reduced: ``psum`` inside ``shard_map``, or, under plain
 import dataclasses
 import functools
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -1333,7 +1333,49 @@ def _init(config: _Config, params: optax.Params) -> AccumulateState:
 # The transformation.
 # ----------------------------------------------------------------------------
 
+# The keyword arguments of optax.MultiSteps, and what to pass instead.
+_MULTISTEPS_ARGUMENTS = {
+  "opt": "pass the optimizer as `inner` (the first argument)",
+  "every_k_schedule": (
+    "pass `every_k` (the second argument): an int, or a schedule"
+    " `every_k(step)` of the optimizer step as every_k_schedule is"
+  ),
+  "use_grad_mean": (
+    'pass `reduction`: use_grad_mean=True is reduction="mean" (the'
+    ' default), use_grad_mean=False is reduction="sum"'
+  ),
+  "should_skip_update_fn": (
+    "pass `skip_nonfinite=True` for optax.skip_not_finite; other"
+    " predicates (e.g. optax.skip_large_updates) have no equivalent: give"
+    " such a micro-batch `weight=0` (it still counts toward k) or leave"
+    " out its call"
+  ),
+}
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _names_multisteps_arguments(factory: Callable[_P, _R]) -> Callable[_P, _R]:
+  """`factory`, whose callers get a TypeError that names the equivalent for
+  a keyword argument of optax.MultiSteps (Python's own message would only
+  say that the keyword is unexpected)."""
+
+  @functools.wraps(factory)
+  def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+    for name, value in kwargs.items():
+      if name in _MULTISTEPS_ARGUMENTS:
+        raise TypeError(
+          f"`{name}` is an argument of optax.MultiSteps, not of"
+          f" accumulate (got {name}={value!r}): {_MULTISTEPS_ARGUMENTS[name]}."
+          " See 'Coming from optax.MultiSteps' in examples/README.md."
+        )
+    return factory(*args, **kwargs)
+
+  return checked
+
+
+@_names_multisteps_arguments
 def accumulate(
   inner: optax.GradientTransformation,
   every_k: EveryK,
@@ -1465,7 +1507,8 @@ def accumulate(
       schedule that takes neither ``(step)`` nor ``(step, weight_seen)`` or
       whose value at step 0 is not a real scalar), ``reduction``,
       ``accumulator_dtype``, ``axis_name``, non-bool ``skip_nonfinite`` or
-      ``track_noise_scale``, or ``noise_scale_decay``. At trace
+      ``track_noise_scale``, ``noise_scale_decay``, or a keyword argument
+      of ``optax.MultiSteps`` (the message names the equivalent). At trace
       time, for gradients whose tree, shapes or (complex vs real) kind
       differ from the params, integer or boolean gradients for a floating
       accumulator, ``params`` whose tree or shapes differ from those given

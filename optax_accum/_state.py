@@ -49,6 +49,22 @@ class GrowState(NamedTuple):
   changed_at: jax.Array  # int32[]
 
 
+# The fields of optax.MultiStepsState, and where their meaning went: reading
+# one of them from an AccumulateState names its equivalent.
+_MULTISTEPS_FIELDS = {
+  "mini_step": "read `micro_step` (micro-batches accepted in the cycle)",
+  "gradient_step": "read `step` (optimizer steps: updates emitted)",
+  "inner_opt_state": (
+    "read `inner_state` (or `optax_accum.inner_state(opt_state)`, which"
+    " also finds it inside a chain or an nnx.Optimizer)"
+  ),
+  "skip_state": (
+    "there is no equivalent; `num_skipped` counts the micro-batches that"
+    " `skip_nonfinite=True` dropped over the run"
+  ),
+}
+
+
 class AccumulateState(NamedTuple):
   """State of :func:`optax_accum.accumulate`.
 
@@ -57,7 +73,9 @@ class AccumulateState(NamedTuple):
   ``jit`` and sharded like the parameters. No field is ``None``: an unused
   record is an ``optax.EmptyState()``, which has no leaves and which every
   tree walker (``flax.serialization.to_state_dict``, Orbax) handles as
-  optax's own states.
+  optax's own states. Reading a field of ``optax.MultiStepsState``
+  (``mini_step``, ``gradient_step``, ``inner_opt_state``, ``skip_state``)
+  raises an ``AttributeError`` that names the equivalent.
 
   Attributes:
     micro_step: ``int32[]``. Micro-batches accepted in the current cycle
@@ -108,6 +126,19 @@ class AccumulateState(NamedTuple):
   emitted: jax.Array  # bool[]
   noise: NoiseScaleState | optax.EmptyState
   grow: GrowState | optax.EmptyState
+
+  def __getattr__(self, name: str) -> Any:
+    # Called only for a name that is not a field or method.
+    equivalent = _MULTISTEPS_FIELDS.get(name)
+    if equivalent is None:
+      raise AttributeError(
+        f"'{type(self).__name__}' object has no attribute '{name}'"
+      )
+    raise AttributeError(
+      f"AccumulateState has no `{name}` (a field of optax.MultiStepsState):"
+      f" {equivalent}. See 'Coming from optax.MultiSteps' in"
+      " examples/README.md."
+    )
 
 
 # The fields that hold one device's own, unreduced sums during a cycle when

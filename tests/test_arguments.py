@@ -6,6 +6,8 @@ runtime rule that cannot be checked under ``jit`` is tested for the
 documented behaviour instead.
 """
 
+import re
+
 import _common
 import jax
 import jax.numpy as jnp
@@ -461,3 +463,74 @@ def test_noise_scale_decay_accepts_numpy_reals():
     optax.sgd(0.1), 2, track_noise_scale=True, noise_scale_decay=np.float32(0.9)
   )
   assert isinstance(tx, optax.GradientTransformationExtraArgs)
+
+
+# ---------------------------------------------------------------------------
+# Names from optax.MultiSteps (the migration table: examples/README.md).
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "kwargs, equivalent",
+  [
+    ({"every_k_schedule": 4}, "pass `every_k`"),
+    ({"use_grad_mean": False}, 'use_grad_mean=False is reduction="sum"'),
+    ({"should_skip_update_fn": optax.skip_not_finite}, "`skip_nonfinite=True`"),
+  ],
+  ids=lambda x: next(iter(x)) if isinstance(x, dict) else None,
+)
+def test_multisteps_arguments_name_the_equivalent(kwargs, equivalent):
+  ((name, value),) = kwargs.items()
+  with pytest.raises(
+    TypeError,
+    match=rf"`{name}` is an argument of optax.MultiSteps.*"
+    rf"got {name}={re.escape(repr(value))}\): .*{re.escape(equivalent)}",
+  ):
+    optax_accum.accumulate(optax.sgd(0.1), 2, **kwargs)
+
+
+def test_multisteps_opt_keyword_names_inner():
+  with pytest.raises(TypeError, match="`opt` is .*as `inner`"):
+    optax_accum.accumulate(opt=optax.sgd(0.1), every_k=2)
+
+
+def test_other_unknown_keywords_keep_pythons_message():
+  with pytest.raises(TypeError, match="unexpected keyword argument 'k'"):
+    optax_accum.accumulate(optax.sgd(0.1), 2, k=2)
+
+
+@pytest.mark.parametrize(
+  "name, equivalent",
+  [
+    ("mini_step", "read `micro_step`"),
+    ("gradient_step", "read `step`"),
+    ("inner_opt_state", "read `inner_state`"),
+    ("skip_state", "no equivalent; `num_skipped`"),
+  ],
+)
+def test_multisteps_state_fields_name_the_equivalent(
+  maybe_jit, name, equivalent
+):
+  """Also under jit, where the state is a tree of tracers."""
+  tx = optax_accum.accumulate(optax.sgd(0.1), 2)
+  state = tx.init(jnp.zeros(2))
+  with pytest.raises(
+    AttributeError,
+    match=rf"AccumulateState has no `{name}` .*MultiStepsState\): .*"
+    + re.escape(equivalent),
+  ):
+    maybe_jit(lambda s: getattr(s, name))(state)
+  # The state inside a chain says the same.
+  chained = optax.chain(optax.clip(1.0), tx).init(jnp.zeros(2))
+  with pytest.raises(AttributeError, match=f"has no `{name}`"):
+    getattr(chained[1], name)
+
+
+def test_other_missing_state_attributes_keep_the_usual_message():
+  state = optax_accum.accumulate(optax.sgd(0.1), 2).init(jnp.zeros(2))
+  with pytest.raises(
+    AttributeError, match="^'AccumulateState' object has no attribute 'foo'$"
+  ):
+    state.foo  # noqa: B018
+  assert not hasattr(state, "mini_step")
+  assert hasattr(state, "micro_step") and hasattr(state, "_replace")
