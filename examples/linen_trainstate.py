@@ -3,22 +3,21 @@
 ``TrainState.apply_gradients(grads=..., **kwargs)`` does *not* forward
 keyword arguments to ``tx.update``: it passes them to ``replace``, so
 ``apply_gradients(grads=g, weight=n)`` raises ``TypeError: ... unexpected
-keyword argument 'weight'`` (flax 0.12). Subclass it once:
+keyword argument 'weight'`` (flax 0.12), and ``flush=`` cannot reach the
+optimizer either. Subclass it once (``AccumTrainState`` below) and decide
+what ``step`` counts:
 
-  class AccumTrainState(train_state.TrainState):
-    def apply_gradients(self, *, grads, weight=None, **kwargs):
-      updates, opt_state = self.tx.update(
-          grads, self.opt_state, self.params, weight=weight)
-      return self.replace(
-          step=self.step + optax_accum.has_updated(opt_state),
-          params=optax.apply_updates(self.params, updates),
-          opt_state=opt_state, **kwargs)
-
-``step`` then counts optimizer steps, not micro-batches.
+* ``counts="calls"`` (the default): micro-batches, as TrainState's own
+  ``step`` does. A trainer that uses ``state.step`` as its data position (to
+  resume a loader, to name checkpoints) keeps working; the optimizer step is
+  ``state.opt_state.step``.
+* ``counts="optimizer_steps"``: updates of the params, as in the big-batch
+  run, so logs and step-based schedules outside the optimizer line up with
+  it. ``step`` is then no data position: keep one of your own.
 
 Running this file checks, on a tiny regression with a different number of
-real (unmasked) rows in every micro-batch, that k weighted micro-batches give
-the parameters of one big batch.
+real (unmasked) rows in every micro-batch and a last, partial window ended
+with ``flush=True``, that both give the parameters of the big batches.
 
   python examples/linen_trainstate.py
 """
@@ -31,21 +30,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import struct
 from flax.training import train_state
 
 import optax_accum
 
+STEP_COUNTS = ("calls", "optimizer_steps")
+
 
 class AccumTrainState(train_state.TrainState):
-  """A TrainState whose `apply_gradients` passes `weight=` to the optimizer."""
+  """A TrainState whose `apply_gradients` passes `weight=` and `flush=` on.
 
-  def apply_gradients(self, *, grads: Any, weight: Any = None, **kwargs):
+  Attributes:
+    counts: What `step` counts, "calls" or "optimizer_steps" (module
+      docstring).
+  """
+
+  counts: str = struct.field(pytree_node=False, default="calls")
+
+  def apply_gradients(
+    self, *, grads: Any, weight: Any = None, flush: Any = False, **kwargs
+  ):
     updates, opt_state = self.tx.update(
-      grads, self.opt_state, self.params, weight=weight
+      grads, self.opt_state, self.params, weight=weight, flush=flush
     )
+    if self.counts == "calls":
+      step = self.step + 1
+    else:  # params only move when a cycle completes
+      step = self.step + optax_accum.has_updated(opt_state)
     return self.replace(
-      # Count optimizer steps: params only move when a cycle completes.
-      step=self.step + optax_accum.has_updated(opt_state),
+      step=step,
       params=optax.apply_updates(self.params, updates),
       opt_state=opt_state,
       **kwargs,
@@ -59,9 +73,9 @@ def loss_fn(params, apply_fn, x, y, mask):
 
 
 @jax.jit
-def accumulate_step(state: AccumTrainState, x, y, mask) -> AccumTrainState:
+def accumulate_step(state: AccumTrainState, x, y, mask, flush=False):
   grads = jax.grad(loss_fn)(state.params, state.apply_fn, x, y, mask)
-  return state.apply_gradients(grads=grads, weight=jnp.sum(mask))
+  return state.apply_gradients(grads=grads, weight=jnp.sum(mask), flush=flush)
 
 
 @jax.jit
@@ -84,8 +98,15 @@ def make_batches(steps: int, every_k: int, micro_batch: int, seed: int = 0):
 
 
 def train_both(steps: int = 3, every_k: int = 4, micro_batch: int = 8):
-  """Final states after `steps` big batches, and after accumulation."""
-  x, y, mask = make_batches(steps, every_k, micro_batch)
+  """Final states after `steps` big batches and a last one of half the size,
+  and after accumulating the same rows with either step count.
+
+  Returns:
+    ``(big, {counts: state})``.
+  """
+  partial = max(every_k // 2, 1)  # micro-batches in the last window
+  x, y, mask = make_batches(steps + 1, every_k, micro_batch)
+  windows = [every_k] * steps + [partial]
   model = nn.Dense(1)
   params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 3), jnp.float32))
   inner = optax.adam(0.1)
@@ -93,32 +114,48 @@ def train_both(steps: int = 3, every_k: int = 4, micro_batch: int = 8):
   big = train_state.TrainState.create(
     apply_fn=model.apply, params=params, tx=inner
   )
-  for s in range(steps):
-    big = big_batch_step(big, x[s], y[s], mask[s])
+  for s, n in enumerate(windows):
+    rows = slice(0, n * micro_batch)
+    big = big_batch_step(big, x[s, rows], y[s, rows], mask[s, rows])
 
-  state = AccumTrainState.create(
-    apply_fn=model.apply,
-    params=params,
-    tx=optax_accum.accumulate(inner, every_k),
-  )
-  for s in range(steps):
-    for i in range(every_k):
-      rows = slice(i * micro_batch, (i + 1) * micro_batch)
-      state = accumulate_step(state, x[s, rows], y[s, rows], mask[s, rows])
-  assert int(state.step) == steps  # optimizer steps, not micro-batches
-  return big, state
+  states = {}
+  for counts in STEP_COUNTS:
+    state = AccumTrainState.create(
+      apply_fn=model.apply,
+      params=params,
+      tx=optax_accum.accumulate(inner, every_k),
+      counts=counts,
+    )
+    for s, n in enumerate(windows):
+      for i in range(n):
+        rows = slice(i * micro_batch, (i + 1) * micro_batch)
+        # The last window of the data is short: flush ends it.
+        flush = i == n - 1 and n < every_k
+        state = accumulate_step(
+          state, x[s, rows], y[s, rows], mask[s, rows], flush
+        )
+    states[counts] = state
+  assert int(states["calls"].step) == sum(windows)  # the data position
+  assert int(states["optimizer_steps"].step) == int(big.step) == len(windows)
+  assert int(states["calls"].opt_state.step) == len(windows)
+  return big, states
 
 
 def main() -> None:
-  big, state = train_both()
-  diff = max(
-    float(jnp.max(jnp.abs(a - b)))
-    for a, b in zip(
-      jax.tree.leaves(big.params), jax.tree.leaves(state.params), strict=True
+  big, states = train_both()
+  for counts, state in states.items():
+    diff = max(
+      float(jnp.max(jnp.abs(a - b)))
+      for a, b in zip(
+        jax.tree.leaves(big.params), jax.tree.leaves(state.params), strict=True
+      )
     )
-  )
-  print(f"max |params(big batch) - params(accumulated)| = {diff:.1e}")
-  assert diff < 1e-5, diff  # float32 rounding of two summation orders
+    print(
+      f"counts={counts!r}: step {int(state.step)}, optimizer step"
+      f" {int(state.opt_state.step)}, max |params(big batch) -"
+      f" params(accumulated)| = {diff:.1e}"
+    )
+    assert diff < 1e-5, diff  # float32 rounding of two summation orders
 
 
 if __name__ == "__main__":

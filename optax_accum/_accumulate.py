@@ -43,7 +43,7 @@ accumulator is reduced: ``psum`` inside ``shard_map``, or, under plain
 import dataclasses
 import functools
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +62,7 @@ from optax_accum import (
   _weighting,
 )
 from optax_accum._noise_scale import NoiseStats
-from optax_accum._state import AccumulateState
+from optax_accum._state import AccumulateState, NoiseScaleState
 
 EveryK = int | Callable[..., Any] | _every_k.GrowEveryK
 
@@ -143,18 +143,20 @@ class _Config:
 
 def _as_transformation(inner: Any) -> optax.GradientTransformationExtraArgs:
   """`inner` with extra-args support; raises naming `inner` otherwise."""
+  init, update = (getattr(inner, name, None) for name in ("init", "update"))
+  if not (callable(init) and callable(update)):
+    hint = ""
+    if isinstance(inner, optax.GradientTransformation):
+      hint = " Its `init` and `update` must both be callable."
+    elif callable(inner):
+      name = getattr(inner, "__name__", "the factory")
+      hint = f" Did you mean to call it, e.g. `{name}(1e-3)`?"
+    raise TypeError(
+      "`inner` must be an optax.GradientTransformation, e.g."
+      f" `optax.adam(1e-3)`; got {inner!r} of type"
+      f" {type(inner).__name__}.{hint}"
+    )
   if not isinstance(inner, optax.GradientTransformation):
-    init, update = (getattr(inner, name, None) for name in ("init", "update"))
-    if not (callable(init) and callable(update)):
-      hint = ""
-      if callable(inner):
-        name = getattr(inner, "__name__", "the factory")
-        hint = f" Did you mean to call it, e.g. `{name}(1e-3)`?"
-      raise TypeError(
-        "`inner` must be an optax.GradientTransformation, e.g."
-        f" `optax.adam(1e-3)`; got {inner!r} of type"
-        f" {type(inner).__name__}.{hint}"
-      )
     inner = optax.GradientTransformation(init, update)
   return optax.with_extra_args_support(inner)
 
@@ -255,62 +257,113 @@ def _check_state(state: Any, track_noise_scale: bool) -> None:
       "`state` must be the AccumulateState returned by this"
       f" transformation's init, got {type(state).__name__}."
     )
-  if (state.noise is not None) != track_noise_scale:
+  tracked = isinstance(state.noise, NoiseScaleState)
+  if tracked != track_noise_scale:
     raise ValueError(
       "`state` was made by an accumulate with"
-      f" track_noise_scale={state.noise is not None}, but this one has"
+      f" track_noise_scale={tracked}, but this one has"
       f" track_noise_scale={track_noise_scale}."
     )
 
 
-def _check_grads_match(grads: Any, acc_grads: Any) -> None:
-  """Raises naming the first leaf where the trees, shapes or kinds differ."""
-  grads_flat, grads_def = jax.tree_util.tree_flatten_with_path(grads)
+def _check_tree_matches(name: str, tree: Any, acc_grads: Any) -> list:
+  """Raises naming `name` and the first leaf where the tree or a shape
+  differs from the accumulator's (the params given to `init`).
+
+  Returns:
+    ``(key path, leaf, accumulator leaf)`` of every leaf.
+  """
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
   acc_flat, acc_def = jax.tree_util.tree_flatten_with_path(acc_grads)
-  if grads_def != acc_def:
-    grads_paths = [jax.tree_util.keystr(p) for p, _ in grads_flat]
+  if treedef != acc_def:
+    paths = [jax.tree_util.keystr(p) for p, _ in flat]
     acc_paths = [jax.tree_util.keystr(p) for p, _ in acc_flat]
-    missing = sorted(set(acc_paths) - set(grads_paths))
-    extra = sorted(set(grads_paths) - set(acc_paths))
+    missing = sorted(set(acc_paths) - set(paths))
+    extra = sorted(set(paths) - set(acc_paths))
     raise ValueError(
-      "`updates` must have the tree structure of the params given to"
+      f"`{name}` must have the tree structure of the params given to"
       f" `init`; missing leaves: {missing or 'none'}, unexpected leaves:"
-      f" {extra or 'none'}. Got structure {grads_def}, expected {acc_def}."
+      f" {extra or 'none'}. Got structure {treedef}, expected {acc_def}."
     )
-  for (path, g), (_, a) in zip(grads_flat, acc_flat, strict=True):
+  leaves = []
+  for (path, x), (_, a) in zip(flat, acc_flat, strict=True):
     where = jax.tree_util.keystr(path)
-    if np.shape(g) != np.shape(a):
+    if np.shape(x) != np.shape(a):
       raise ValueError(
-        f"`updates` leaf {where} has shape {np.shape(g)}, but the params"
+        f"`{name}` leaf {where} has shape {np.shape(x)}, but the params"
         f" given to `init` have shape {np.shape(a)} there."
       )
+    leaves.append((where, x, a))
+  return leaves
+
+
+def _dtype_of(x: Any) -> Any:
+  # `.dtype` first: jax.grad's float0 zeros are NumPy arrays JAX cannot read.
+  return np.dtype(x.dtype) if hasattr(x, "dtype") else jnp.result_type(x)
+
+
+def _check_grads_match(grads: Any, acc_grads: Any) -> None:
+  """Raises naming the first leaf where the trees, shapes or kinds differ."""
+  for where, g, a in _check_tree_matches("updates", grads, acc_grads):
     if jnp.iscomplexobj(g) and not jnp.iscomplexobj(a):
       raise TypeError(
         f"`updates` leaf {where} is complex ({jnp.result_type(g)}) but the"
         " params given to `init` are real there: the imaginary part would"
         " be lost. Take real gradients, or make those params complex."
       )
+    # Python ints too: the mean would be emitted in their dtype, truncated.
+    dtype = _dtype_of(g)
+    if jnp.issubdtype(a.dtype, jnp.inexact) and not jnp.issubdtype(
+      dtype, jnp.inexact
+    ):
+      raise TypeError(
+        f"`updates` leaf {where} has dtype {dtype}, but its accumulator is"
+        f" {a.dtype}: gradients must be floating (or complex). An integer"
+        " or boolean gradient is usually something else passed by mistake"
+        " (a mask, labels, a count); to accumulate such values on purpose,"
+        " cast them first, e.g. `g.astype(jnp.float32)`."
+      )
 
 
-def _check_weight(weight: Any) -> jax.Array:
-  """`weight` as a float32[]; raises naming it. Concrete negatives raise."""
+def _check_params_match(params: Any, acc_grads: Any) -> None:
+  """Raises naming `params` where they are not the params given to `init`
+  (the inner optimizer reads them, and apply_updates adds to them)."""
+  if params is not None:
+    _check_tree_matches("params", _gradient_params(params), acc_grads)
+
+
+def _check_weight(weight: Any, skip_nonfinite: bool) -> jax.Array:
+  """`weight` as a float32[]; raises naming it. A concrete negative weight
+  raises, and so does a concrete NaN or Inf unless `skip_nonfinite` (which
+  drops that micro-batch); a traced one is used as given."""
   w = _checks.real_scalar(
     weight, "`weight` must be", " (one value per micro-batch)"
   )
-  if not isinstance(w, jax.core.Tracer) and np.asarray(w) < 0:
-    raise ValueError(f"`weight` must be >= 0, got {np.asarray(w)}.")
+  if not isinstance(w, jax.core.Tracer):
+    value = np.asarray(w)
+    if value < 0:
+      raise ValueError(f"`weight` must be >= 0, got {value}.")
+    if not (np.isfinite(value) or skip_nonfinite):
+      raise ValueError(
+        f"`weight` must be finite, got {value}: the cycle's mean would be"
+        " NaN. Build accumulate with `skip_nonfinite=True` to drop such"
+        " micro-batches instead."
+      )
   return w.astype(jnp.float32)
 
 
 def _check_flush(flush: Any) -> jax.Array:
   """`flush` as a bool[]; raises naming it."""
-  is_bool_scalar = not (flush is None or isinstance(flush, str | bytes)) and (
-    jnp.result_type(flush) == jnp.bool_ and jnp.ndim(flush) == 0
-  )
+  try:
+    is_bool_scalar = not (flush is None or isinstance(flush, str | bytes)) and (
+      jnp.result_type(flush) == jnp.bool_ and jnp.ndim(flush) == 0
+    )
+  except (TypeError, ValueError):  # a list, an arbitrary object
+    is_bool_scalar = False
   if not is_bool_scalar:
     raise TypeError(
       "`flush` must be a boolean scalar (True ends the cycle at this call),"
-      f" got {flush!r}."
+      f" got {flush!r} of type {type(flush).__name__}."
     )
   return jnp.asarray(flush)
 
@@ -385,14 +438,20 @@ def _accept(
   config: _Config,
   engine: _engine.Engine,
   grads: Any,
-  weight: Any,
-  flush: Any,
+  weight: jax.Array | None,
+  flush: jax.Array,
+  may_flush: bool,
 ) -> _MicroBatch:
-  """Checks the call's arguments; decides whether the micro-batch counts."""
+  """Decides whether the micro-batch counts.
+
+  Args:
+    weight, flush: As checked by :func:`_check_weight` (None: no weight
+      given) and :func:`_check_flush`.
+    may_flush: `flush` was not a Python False (which needs no collective).
+  """
   weighted = weight is not None
-  weight = _check_weight(weight) if weighted else jnp.ones([], jnp.float32)
-  may_flush = flush is not False  # a Python False needs no collective
-  flush = _check_flush(flush)
+  if not weighted:
+    weight = jnp.ones([], jnp.float32)
   accepted = jnp.asarray(True)
   if config.skip_nonfinite:
     grads_finite = engine.all_finite(grads)
@@ -511,9 +570,10 @@ def _add_noise(
 ) -> Any:
   """The noise-scale sums after `micro`: measured here, or by the gradient
   helper (`stats`, unreduced engine); `summed`: gradients="sum";
-  `sample_axes`: see :func:`_noise_scale.sq_norm`."""
-  if noise is None:
-    return None
+  `sample_axes`: see :func:`_noise_scale.sq_norm`. An untracked `noise` (an
+  empty record) passes through."""
+  if not isinstance(noise, NoiseScaleState):
+    return noise
   if stats is not None:
     return _noise_scale.add_stats(
       noise, stats, micro.weight, micro.accepted, fresh
@@ -723,7 +783,7 @@ def _reduce(config, engine, plan, acc, weight, noise, per_leaf):
     return jax.tree.map(lambda a, d: a.astype(d), acc, kept), weight, noise
   if engine.kind == _engine.SHARD_MAP:
     scalars = (weight,)
-    if noise is not None:  # The count as float32, to join the reduction.
+    if config.track_noise_scale:  # The count as float32, to join the sum.
       scalars += (noise.sq_norm_sum, noise.count.astype(jnp.float32))
     if per_leaf:
       leaves, treedef = jax.tree.flatten(acc)
@@ -734,7 +794,7 @@ def _reduce(config, engine, plan, acc, weight, noise, per_leaf):
       acc = jax.tree.unflatten(treedef, reduced + last)
     else:
       acc, scalars = lax.psum((acc, scalars), config.axis_name)
-    if noise is not None:
+    if config.track_noise_scale:
       noise = noise._replace(
         sq_norm_sum=scalars[1], count=scalars[2].astype(jnp.int32)
       )
@@ -767,8 +827,8 @@ def _cleared_after_reduction(engine, acc, total, cycle_end):
 
 def _fold_noise(config, noise, acc, inv_weight, weight, mean_sq):
   """The ended cycle folded into the noise-scale averages."""
-  if noise is None:
-    return None
+  if not config.track_noise_scale:
+    return noise
   if mean_sq is None:  # The global mean, known only after the all-reduce.
     mean_sq = _noise_scale.sq_norm(acc, inv_weight, config.axis_name)
   return _noise_scale.fold_cycle(
@@ -788,7 +848,7 @@ class _Cycle(NamedTuple):
   weight: jax.Array  # float32[]: its (device-local) total weight.
   micro_step: jax.Array  # int32[]: micro-batches accepted in it.
   end: jax.Array  # bool[]: this call ends the cycle.
-  noise: Any  # NoiseScaleState or None.
+  noise: Any  # NoiseScaleState, or optax.EmptyState() when not tracked.
   mean_sq: Any  # |mean gradient|^2 measured outside, or None.
   inner_state: Any
   params: Any
@@ -1017,7 +1077,7 @@ class _End(NamedTuple):
 def _traced_end(config, engine, inner, plan, extra_args, cycle) -> _End:
   """The device decides whether this call ends the cycle (the default)."""
   enter = _enters_emitting_branch(cycle.end, cycle.weight, engine, plan)
-  if cycle.noise is not None and config.axis_name is None:
+  if config.track_noise_scale and config.axis_name is None:
     cycle = cycle._replace(
       mean_sq=_local_mean_sq_norm(enter, cycle.acc, cycle.weight)
     )
@@ -1053,7 +1113,7 @@ def _traced_end(config, engine, inner, plan, extra_args, cycle) -> _End:
 def _static_end(config, engine, inner, plan, extra_args, cycle) -> _End:
   """``emit=True``: the caller says this call ends the cycle. No
   conditional (see :func:`_emission`); the accumulator is left at zeros."""
-  if cycle.noise is not None and config.axis_name is None:
+  if config.track_noise_scale and config.axis_name is None:
     cycle = cycle._replace(mean_sq=_mean_sq_norm(cycle.acc, cycle.weight))
   updates, inner_state, emitted, weight, noise, total = _emission(
     config, engine, inner, plan, extra_args, cycle, static=True
@@ -1180,7 +1240,13 @@ def _update(
 ) -> tuple[optax.Updates, AccumulateState]:
   _check_state(state, config.track_noise_scale)
   _check_grads_match(updates, state.acc_grads)
+  _check_params_match(params, state.acc_grads)
   emit = _check_emit(emit, flush)
+  # Checked before any jit below, so that concrete values are seen.
+  checked_weight = (
+    None if weight is None else _check_weight(weight, config.skip_nonfinite)
+  )
+  checked_flush = _check_flush(flush)
   engine = _engine.for_update(config.axis_name, updates, state.acc_grads)
   noise_stats = _check_noise_stats(config, engine, noise_stats)
   inner = config.inner(state.every_k)
@@ -1193,7 +1259,14 @@ def _update(
       updates, state, params, noise_stats=noise_stats, **options, **extra_args
     )
 
-  micro = _accept(config, engine, updates, weight, flush)
+  micro = _accept(
+    config,
+    engine,
+    updates,
+    checked_weight,
+    checked_flush,
+    may_flush=flush is not False,
+  )
   acc, total_weight = _add(config, engine, state, micro)
   micro_step = state.micro_step + micro.accepted.astype(jnp.int32)
   noise = _add_noise(
@@ -1249,7 +1322,9 @@ def _init(config: _Config, params: optax.Params) -> AccumulateState:
     inner_state=config.inner(every_k).init(params),
     num_skipped=jnp.zeros([], jnp.int32),
     emitted=jnp.zeros([], jnp.bool_),
-    noise=_noise_scale.init() if config.track_noise_scale else None,
+    noise=(
+      _noise_scale.init() if config.track_noise_scale else optax.EmptyState()
+    ),
     grow=_every_k.init_grow(config.every_k),
   )
 
@@ -1258,7 +1333,49 @@ def _init(config: _Config, params: optax.Params) -> AccumulateState:
 # The transformation.
 # ----------------------------------------------------------------------------
 
+# The keyword arguments of optax.MultiSteps, and what to pass instead.
+_MULTISTEPS_ARGUMENTS = {
+  "opt": "pass the optimizer as `inner` (the first argument)",
+  "every_k_schedule": (
+    "pass `every_k` (the second argument): an int, or a schedule"
+    " `every_k(step)` of the optimizer step as every_k_schedule is"
+  ),
+  "use_grad_mean": (
+    'pass `reduction`: use_grad_mean=True is reduction="mean" (the'
+    ' default), use_grad_mean=False is reduction="sum"'
+  ),
+  "should_skip_update_fn": (
+    "pass `skip_nonfinite=True` for optax.skip_not_finite; other"
+    " predicates (e.g. optax.skip_large_updates) have no equivalent: give"
+    " such a micro-batch `weight=0` (it still counts toward k) or leave"
+    " out its call"
+  ),
+}
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _names_multisteps_arguments(factory: Callable[_P, _R]) -> Callable[_P, _R]:
+  """`factory`, whose callers get a TypeError that names the equivalent for
+  a keyword argument of optax.MultiSteps (Python's own message would only
+  say that the keyword is unexpected)."""
+
+  @functools.wraps(factory)
+  def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+    for name, value in kwargs.items():
+      if name in _MULTISTEPS_ARGUMENTS:
+        raise TypeError(
+          f"`{name}` is an argument of optax.MultiSteps, not of"
+          f" accumulate (got {name}={value!r}): {_MULTISTEPS_ARGUMENTS[name]}."
+          " See 'Coming from optax.MultiSteps' in examples/README.md."
+        )
+    return factory(*args, **kwargs)
+
+  return checked
+
+
+@_names_multisteps_arguments
 def accumulate(
   inner: optax.GradientTransformation,
   every_k: EveryK,
@@ -1303,8 +1420,12 @@ def accumulate(
     nothing, even if its gradient is NaN or Inf (the 0/0 per-token mean of
     an all-padding micro-batch); a cycle whose total weight is not positive
     emits zeros, leaves ``inner``'s state and ``step`` unchanged and
-    produces no NaN. Weights must be :math:`\geq 0`: a concrete negative
-    weight raises, a traced one (under ``jit``) is used as given;
+    produces no NaN. Weights must be finite and :math:`\geq 0`: a concrete
+    negative weight raises, and so does a concrete NaN or Inf unless
+    ``skip_nonfinite`` drops it (below). A traced weight (under ``jit``) is
+    used as given: a NaN or Inf weight makes the cycle's gradient NaN (with
+    ``gradients="sum"``, an Inf weight makes it zero) and that reaches
+    ``inner``, unless ``skip_nonfinite``;
   * ``flush=True`` ends the cycle at this call, however many micro-batches
     it holds, normalised by what was actually accumulated (the partial last
     window of an epoch); on an empty cycle it emits nothing;
@@ -1381,13 +1502,19 @@ def accumulate(
 
   Raises:
     TypeError, ValueError: At construction, for an ``inner`` that is not a
-      transformation, a bad ``every_k`` (0, negative, float, bool, str,
-      None, beyond int32, a schedule whose value at step 0 is not a real
-      scalar), ``reduction``, ``accumulator_dtype``, ``axis_name``,
-      non-bool ``skip_nonfinite`` or ``track_noise_scale``, or
-      ``noise_scale_decay``. At trace time, for gradients whose tree,
-      shapes or (complex vs real) kind differ from the params, or a
-      ``weight`` or ``flush`` that is not a real or boolean scalar; with
+      transformation (or whose ``init`` or ``update`` is not callable), a
+      bad ``every_k`` (0, negative, float, bool, str, None, beyond int32, a
+      schedule that takes neither ``(step)`` nor ``(step, weight_seen)`` or
+      whose value at step 0 is not a real scalar), ``reduction``,
+      ``accumulator_dtype``, ``axis_name``, non-bool ``skip_nonfinite`` or
+      ``track_noise_scale``, ``noise_scale_decay``, or a keyword argument
+      of ``optax.MultiSteps`` (the message names the equivalent). At trace
+      time, for gradients whose tree, shapes or (complex vs real) kind
+      differ from the params, integer or boolean gradients for a floating
+      accumulator, ``params`` whose tree or shapes differ from those given
+      to ``init``, a ``weight`` or ``flush`` that is not a real or boolean
+      scalar, a concrete negative ``weight`` or (without
+      ``skip_nonfinite``) a concrete NaN or Inf one; with
       ``axis_name`` outside ``shard_map``: no mesh, an axis that is not
       explicit, gradients or an accumulator that are not unreduced over
       it (ValueError), a JAX without unreduced shardings (RuntimeError);

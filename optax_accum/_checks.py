@@ -109,7 +109,13 @@ def real_scalar(value: Any, subject: str, what: str = "") -> jax.Array:
   """
   if value is None or isinstance(value, str | bytes):
     raise TypeError(f"{subject} a real number{what}, got {value!r}.")
-  x = jnp.asarray(value)
+  try:
+    x = jnp.asarray(value)
+  except (TypeError, ValueError) as e:  # a dict, an arbitrary object
+    raise TypeError(
+      f"{subject} a real number{what}, got {value!r} of type"
+      f" {type(value).__name__}."
+    ) from e
   if x.ndim != 0:
     raise ValueError(f"{subject} a scalar{what}, got shape {x.shape}.")
   if not (

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from optax_accum import _checks, _noise_scale, _state
 from optax_accum._state import GrowState, NoiseScaleState
@@ -194,14 +195,24 @@ class Spec(NamedTuple):
   grow: GrowEveryK | None  # The controller.
 
 
-def _takes_two_arguments(fn: Callable) -> bool:
+def _takes_weight_seen(schedule: Callable) -> bool:
+  """Whether `schedule` is ``every_k(step, weight_seen)`` rather than
+  ``every_k(step)``; raises naming `every_k` if it is neither."""
   try:
-    inspect.signature(fn).bind(0, 0)
-  except TypeError:
+    signature = inspect.signature(schedule)
+  except (TypeError, ValueError):  # no signature (some builtins): the step
     return False
-  except ValueError:  # no signature (some builtins): call it with the step
-    return False
-  return True
+  for arguments, takes_weight in (((0, 0), True), ((0,), False)):
+    try:
+      signature.bind(*arguments)
+    except TypeError:
+      continue
+    return takes_weight
+  raise TypeError(
+    "`every_k` schedule must take the optimizer step, `every_k(step)`, or"
+    " the step and the weight seen, `every_k(step, weight_seen)`; got"
+    f" {schedule!r} with signature {signature}."
+  )
 
 
 def check(every_k: Any, track_noise_scale: bool) -> Spec:
@@ -214,7 +225,7 @@ def check(every_k: Any, track_noise_scale: bool) -> Spec:
       )
     return Spec(None, None, False, every_k)
   if callable(every_k) and not isinstance(every_k, jax.Array):
-    spec = Spec(None, every_k, _takes_two_arguments(every_k), None)
+    spec = Spec(None, every_k, _takes_weight_seen(every_k), None)
     first(spec)  # a bad schedule fails here, not at the first update
     return spec
   k = _checks.positive_int(
@@ -264,9 +275,10 @@ def first(spec: Spec) -> jax.Array:
   return _scheduled(spec, zero, jnp.zeros([], jnp.float32))
 
 
-def init_grow(spec: Spec) -> GrowState | None:
+def init_grow(spec: Spec) -> GrowState | optax.EmptyState:
+  """The controller's state; an empty record without a controller."""
   if spec.grow is None:
-    return None
+    return optax.EmptyState()
   return GrowState(changed_at=jnp.zeros([], jnp.int32))
 
 
@@ -318,16 +330,16 @@ def _grown(
 def next_k(
   spec: Spec,
   k: jax.Array,
-  grow_state: GrowState | None,
+  grow_state: GrowState | optax.EmptyState,
   *,
   step: jax.Array,
   weight_seen: jax.Array,
-  noise: NoiseScaleState | None,
+  noise: NoiseScaleState | optax.EmptyState,
   cycle_weight: jax.Array,
   cycle_micro_batches: jax.Array,
   emitted: jax.Array,
   decay: float,
-) -> tuple[jax.Array, GrowState | None]:
+) -> tuple[jax.Array, GrowState | optax.EmptyState]:
   """The k of the next cycle (called when a cycle ends), and the new
   controller state. `step` and `weight_seen` are after this cycle."""
   if spec.fixed is not None:

@@ -30,14 +30,17 @@ from optax_accum._state import (
 
 
 def _device_local_mask(state: AccumulateState) -> AccumulateState:
-  """A prefix of `state`: True above each device-local subtree."""
+  """A prefix of `state`: True above each device-local subtree.
+
+  The records of `noise` and `grow` are masked field by field, whatever
+  they hold (an ``optax.EmptyState`` when unused), so that the specs have
+  the state's own structure down to them."""
 
   def mask(node: Any) -> Any:
     local = DEVICE_LOCAL_FIELDS[type(node)]
     return type(node)(**{field: field in local for field in node._fields})
 
-  noise = None if state.noise is None else mask(state.noise)
-  return mask(state)._replace(noise=noise)
+  return mask(state)._replace(noise=mask(state.noise), grow=mask(state.grow))
 
 
 def _map_accumulate_states(opt_state: Any, fn: Callable, other: Callable):

@@ -256,13 +256,61 @@ def _plan(out_shape: Any, accumulator_dtype: Any) -> list[_Leaf]:
   return plan
 
 
-def _check_output(out: Any) -> None:
-  """Raises unless `out` (shapes) looks like `jax.value_and_grad`'s output."""
+_USE_VALUE_AND_GRAD = (
+  " A gradient function such as `jax.grad(loss_fn)` returns no value: pass"
+  " `jax.value_and_grad(loss_fn)`."
+)
+
+
+def _shaped_like(tree: Any, structure: Any, shapes: list) -> bool:
+  """Whether `tree` has the tree `structure` and leaf `shapes`."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef == structure and [np.shape(x) for x in leaves] == shapes
+
+
+def _check_not_a_gradient_function(out: Any, params: Any, micro: Any) -> None:
+  """Raises if `out` looks like ``jax.grad(f, argnums=(0, 1))(params,
+  micro)``: gradients w.r.t. the params and the micro-batch, whose first
+  one passes for a loss when the params are a scalar.
+
+  The output of ``jax.value_and_grad(f)`` never does: its second output is
+  shaped like the params and a micro-batch leaf is never a scalar.
+  """
+  leaves, params_def = jax.tree.flatten(params)
+  params_shapes = [np.shape(x) for x in leaves]
+  micro_def = jax.tree.structure(micro)
+  micro_shapes = [x.shape for x in jax.tree.leaves(micro)]
+  value = out[0]
+  has_aux = isinstance(value, tuple | list) and len(value) == 2
+  # jax.grad(f, argnums=(0, 1), has_aux=True) gives ((g_params, g_micro), aux).
+  pair = value if has_aux else out
+  if (
+    _shaped_like(pair[0], params_def, params_shapes)
+    and _shaped_like(pair[1], micro_def, micro_shapes)
+    and not _shaped_like(out[1], params_def, params_shapes)
+  ):
+    raise TypeError(
+      "`value_and_grad_fn` must return `(value, grads)` like"
+      " `jax.value_and_grad`, but its output is shaped like gradients with"
+      " respect to the params (argument 0) and the micro-batch (argument"
+      " 1), as from `jax.grad(loss_fn, argnums=(0, 1))`; microbatch"
+      " reduces gradients with respect to the params, never the batch."
+      + _USE_VALUE_AND_GRAD
+    )
+
+
+def _check_output(out: Any, params: Any = None, micro: Any = None) -> None:
+  """Raises unless `out` (shapes) looks like `jax.value_and_grad`'s output.
+
+  Args:
+    params, micro: The shapes of argument 0 and of one micro-batch, to tell
+      a gradient function's output apart (None: not checked).
+  """
   if not (isinstance(out, tuple | list) and len(out) == 2):
     raise TypeError(
       "`value_and_grad_fn` must return `(value, grads)` like"
       " `jax.value_and_grad`, got an output of type"
-      f" {type(out).__name__}."
+      f" {type(out).__name__}." + _USE_VALUE_AND_GRAD
     )
   value = out[0]
   has_aux = isinstance(value, tuple | list) and len(value) == 2
@@ -273,7 +321,10 @@ def _check_output(out: Any) -> None:
       " `((loss, aux), grads)` with a scalar loss, like"
       " `jax.value_and_grad(loss_fn, has_aux=...)`; got a value of"
       f" {jax.tree.map(lambda s: (s.shape, s.dtype), value)}."
+      + _USE_VALUE_AND_GRAD
     )
+  if micro is not None:
+    _check_not_a_gradient_function(out, params, micro)
 
 
 # ----------------------------------------------------------------------------
@@ -303,12 +354,18 @@ def _add(plan, treedef, accs, out, weight):
   return new_accs, emitted
 
 
-def _scan(step, carried, split, n, weight_fn, accumulator_dtype):
-  """The reduced output of `step` over the `n` micro-batches of `split`."""
+def _scan(step, carried, split, n, weight_fn, accumulator_dtype, params=None):
+  """The reduced output of `step` over the `n` micro-batches of `split`.
+
+  `params`: argument 0 for plain JAX functions, to check the output's
+  structure against (None: not checked)."""
   call = functools.partial(_call, step, weight_fn, split)
   # Closes over the arguments: they need not be valid JAX types.
   out_shape = jax.eval_shape(lambda: call(0, carried)[0])
-  _check_output(out_shape)
+  micro = None
+  if params is not None:
+    micro = jax.eval_shape(lambda: _micro_batch(split, 0))
+  _check_output(out_shape, params, micro)
   treedef = jax.tree.structure(out_shape)
   plan = _plan(out_shape, accumulator_dtype)
 
@@ -573,14 +630,20 @@ def microbatch(
       return value_and_grad_fn(params, batch, *args, **kwargs)
     nnx = _nnx((params, args, kwargs))
     if nnx is None:
-      make_step = _plain_step
+      make_step, reference = _plain_step, params
     else:
-      make_step = functools.partial(_nnx_step, nnx)
+      make_step, reference = functools.partial(_nnx_step, nnx), None
     step, carried, write_back = make_step(
       value_and_grad_fn, params, args, kwargs
     )
     out, carried = _scan(
-      step, carried, _split(batch, n), n, weight_fn, accumulator_dtype
+      step,
+      carried,
+      _split(batch, n),
+      n,
+      weight_fn,
+      accumulator_dtype,
+      reference,
     )
     write_back(carried)
     return out

@@ -202,7 +202,7 @@ def fold_cycle(
 
 def _tracked(opt_state: Any, reader: str) -> NoiseScaleState:
   noise = find_state(opt_state, reader).noise
-  if noise is None:
+  if not isinstance(noise, NoiseScaleState):
     raise ValueError(
       f"`{reader}` needs the state of"
       " `accumulate(..., track_noise_scale=True)`; this state was built"

@@ -1,5 +1,6 @@
 """Shardings of an optimizer state that follow the parameters' shardings."""
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,8 @@ def _init_fn(tx: Any) -> Callable[[Any], Any]:
       f" got {tx!r} of type {type(tx).__name__}{hint}."
     )
 
+  _check_takes_params(tx)
+
   def checked_init(params: Any) -> Any:
     state = tx(params)
     if isinstance(state, optax.GradientTransformation):
@@ -40,6 +43,26 @@ def _init_fn(tx: Any) -> Callable[[Any], Any]:
     return state
 
   return checked_init
+
+
+def _check_takes_params(tx: Callable) -> None:
+  """Raises naming `tx` unless it can be called as ``init(params)``."""
+  try:
+    signature = inspect.signature(tx)
+  except (TypeError, ValueError):  # no signature (some builtins): try it
+    return
+  try:
+    signature.bind(None)
+  except TypeError:
+    hint = ""
+    if not signature.parameters:
+      name = getattr(tx, "__name__", "the factory")
+      hint = f"; a factory? Call it first, e.g. `tx={name}()`"
+    raise TypeError(
+      "`tx` must be an optax.GradientTransformation or its init function,"
+      " called as `init(params)`; got"
+      f" {tx!r} with signature {signature}{hint}."
+    ) from None
 
 
 def _param_shardings(params: Any) -> list[tuple[tuple, tuple, NamedSharding]]:

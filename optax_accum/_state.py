@@ -49,12 +49,33 @@ class GrowState(NamedTuple):
   changed_at: jax.Array  # int32[]
 
 
+# The fields of optax.MultiStepsState, and where their meaning went: reading
+# one of them from an AccumulateState names its equivalent.
+_MULTISTEPS_FIELDS = {
+  "mini_step": "read `micro_step` (micro-batches accepted in the cycle)",
+  "gradient_step": "read `step` (optimizer steps: updates emitted)",
+  "inner_opt_state": (
+    "read `inner_state` (or `optax_accum.inner_state(opt_state)`, which"
+    " also finds it inside a chain or an nnx.Optimizer)"
+  ),
+  "skip_state": (
+    "there is no equivalent; `num_skipped` counts the micro-batches that"
+    " `skip_nonfinite=True` dropped over the run"
+  ),
+}
+
+
 class AccumulateState(NamedTuple):
   """State of :func:`optax_accum.accumulate`.
 
   Every leaf is an array, so the state can be saved and restored mid-cycle
   with any pytree serializer, carried through ``lax.scan``, donated to
-  ``jit`` and sharded like the parameters.
+  ``jit`` and sharded like the parameters. No field is ``None``: an unused
+  record is an ``optax.EmptyState()``, which has no leaves and which every
+  tree walker (``flax.serialization.to_state_dict``, Orbax) handles as
+  optax's own states. Reading a field of ``optax.MultiStepsState``
+  (``mini_step``, ``gradient_step``, ``inner_opt_state``, ``skip_state``)
+  raises an ``AttributeError`` that names the equivalent.
 
   Attributes:
     micro_step: ``int32[]``. Micro-batches accepted in the current cycle
@@ -89,9 +110,9 @@ class AccumulateState(NamedTuple):
     emitted: ``bool[]``. Whether the most recent ``update`` emitted a real
       update (read it with :func:`has_updated`).
     noise: A :class:`NoiseScaleState` with ``track_noise_scale=True``,
-      else ``None``.
+      else ``optax.EmptyState()``.
     grow: A :class:`GrowState` with ``every_k=grow_every_k(...)``, else
-      ``None``.
+      ``optax.EmptyState()``.
   """
 
   micro_step: jax.Array  # int32[]
@@ -103,8 +124,21 @@ class AccumulateState(NamedTuple):
   inner_state: optax.OptState
   num_skipped: jax.Array  # int32[]
   emitted: jax.Array  # bool[]
-  noise: NoiseScaleState | None
-  grow: GrowState | None
+  noise: NoiseScaleState | optax.EmptyState
+  grow: GrowState | optax.EmptyState
+
+  def __getattr__(self, name: str) -> Any:
+    # Called only for a name that is not a field or method.
+    equivalent = _MULTISTEPS_FIELDS.get(name)
+    if equivalent is None:
+      raise AttributeError(
+        f"'{type(self).__name__}' object has no attribute '{name}'"
+      )
+    raise AttributeError(
+      f"AccumulateState has no `{name}` (a field of optax.MultiStepsState):"
+      f" {equivalent}. See 'Coming from optax.MultiSteps' in"
+      " examples/README.md."
+    )
 
 
 # The fields that hold one device's own, unreduced sums during a cycle when
@@ -114,6 +148,7 @@ DEVICE_LOCAL_FIELDS = {
   AccumulateState: ("acc_grads", "acc_weight"),
   NoiseScaleState: ("sq_norm_sum", "count"),
   GrowState: (),
+  optax.EmptyState: (),  # `noise` or `grow` when unused
 }
 
 

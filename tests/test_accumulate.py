@@ -407,12 +407,17 @@ def test_without_skip_nonfinite_a_nan_reaches_the_update():
   assert bool(jnp.isnan(out["w"][0]))
 
 
-def test_nan_weight_without_skip_nonfinite_reaches_the_inner(maybe_jit):
+@pytest.mark.parametrize("weight", [jnp.nan, jnp.inf], ids=["nan", "inf"])
+def test_traced_nonfinite_weight_without_skip_nonfinite_reaches_the_inner(
+  weight,
+):
+  """Under jit a weight is not inspected: the cycle's mean is NaN (inf/inf)
+  and the inner receives it. A concrete one raises (test_arguments.py)."""
   tx = optax_accum.accumulate(_common.identity(), 2)
   params = jnp.zeros(2)
   state = tx.init(params)
-  update = maybe_jit(tx.update)
-  _, state = update(jnp.ones(2), state, params, weight=jnp.nan)
+  update = jax.jit(tx.update)
+  _, state = update(jnp.ones(2), state, params, weight=weight)
   out, state = update(jnp.ones(2), state, params, weight=1.0)
   assert optax_accum.has_updated(state)
   assert bool(jnp.all(jnp.isnan(out)))
@@ -697,6 +702,92 @@ def test_state_roundtrips_mid_cycle_bitwise(maybe_jit):
   resumed_state, resumed_params = run(restored, restored_params, 6, 10)
   chex.assert_trees_all_equal(resumed_params, straight_params)
   chex.assert_trees_all_equal(resumed_state, straight_state)
+
+
+# Configurations whose `noise` and `grow` records are used or not.
+RECORDS = {
+  "plain": lambda: optax_accum.accumulate(optax.sgd(0.1), 2),
+  "noise": lambda: optax_accum.accumulate(
+    optax.sgd(0.1), 2, track_noise_scale=True
+  ),
+  "grow": lambda: optax_accum.accumulate(
+    optax.sgd(0.1),
+    optax_accum.grow_every_k(k_max=8, min_cycles=1),
+    track_noise_scale=True,
+  ),
+}
+
+
+def _map_state_dict(fn, node):
+  """`fn` over a state dict as a checkpointer walks one: into every dict,
+  `fn` on every other value (a None there used to reach `fn`)."""
+  if isinstance(node, dict):
+    return {key: _map_state_dict(fn, value) for key, value in node.items()}
+  return fn(node)
+
+
+@pytest.mark.parametrize("config", list(RECORDS))
+def test_state_has_no_none_for_tree_walkers(maybe_jit, config):
+  """Unused records are empty (optax.EmptyState), never None: a function
+  mapped over the state dict or the leaves only ever sees arrays."""
+  tx = RECORDS[config]()
+  params = _common.params()
+  state = tx.init(params)
+  update = maybe_jit(tx.update)
+  for i in range(3):  # mid-cycle
+    _, state = update(_common.grads(i), state, params)
+  as_dict = flax.serialization.to_state_dict(state)
+  seen = []
+
+  def to_numpy(x):
+    seen.append(type(x))
+    return np.asarray(x) + 0  # raises on None
+
+  mapped = _map_state_dict(to_numpy, as_dict)
+  assert set(seen) <= {jax.Array, type(jnp.zeros(1))}, seen
+  assert len(seen) == len(jax.tree.leaves(state))
+  leaves_or_none = jax.tree.leaves(state, is_leaf=lambda x: x is None)
+  assert all(x is not None for x in leaves_or_none)
+  restored = flax.serialization.from_state_dict(tx.init(params), mapped)
+  chex.assert_trees_all_equal(restored, state)
+  tracks_noise = config != "plain"
+  assert isinstance(state.noise, optax_accum.NoiseScaleState) == tracks_noise
+  assert isinstance(state.grow, optax_accum.GrowState) == (config == "grow")
+
+
+@pytest.mark.parametrize("config", list(RECORDS))
+def test_layouts_keep_the_records(maybe_jit, config):
+  """shard_map's layout of a state: the specs and the device axis follow
+  the records down to their fields, empty ones included."""
+  tx = RECORDS[config]()
+  state = tx.init(_common.params())
+  specs = optax_accum.shard_map_specs(state, "data")
+  local, replicated = jax.P("data"), jax.P()
+  if config == "plain":
+    assert specs.noise == specs.grow == optax.EmptyState()
+  else:
+    assert specs.noise == optax_accum.NoiseScaleState(
+      local, local, replicated, replicated, replicated
+    )
+  if config == "grow":
+    assert specs.grow == optax_accum.GrowState(replicated)
+  with_axis = maybe_jit(optax_accum.add_device_axis)(state)
+  assert jax.tree.structure(with_axis) == jax.tree.structure(state)
+  assert with_axis.acc_weight.shape == (1,) and with_axis.step.shape == ()
+  back = maybe_jit(optax_accum.drop_device_axis)(with_axis)
+  chex.assert_trees_all_equal(back, state)
+
+
+def test_sgd_state_has_at_most_8_leaves():
+  """The leaf budget of a plain state (one-leaf params, sgd): unused
+  records add none."""
+  tx = optax_accum.accumulate(optax.sgd(0.1), 4)
+  state = tx.init(jnp.zeros(3))
+  leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  names = [jax.tree_util.keystr(path) for path, _ in leaves]
+  assert len(leaves) <= 8, names
+  assert state.noise == state.grow == optax.EmptyState()
+  assert not jax.tree.leaves((state.noise, state.grow, state.inner_state))
 
 
 # ---------------------------------------------------------------------------

@@ -6,6 +6,8 @@ runtime rule that cannot be checked under ``jit`` is tested for the
 documented behaviour instead.
 """
 
+import re
+
 import _common
 import jax
 import jax.numpy as jnp
@@ -78,8 +80,9 @@ def test_bad_options_name_the_argument(kwargs, match):
     (None, "optax.GradientTransformation"),
     ("adam", "optax.GradientTransformation"),
     (optax.adam, "Did you mean to call it"),
+    (optax.GradientTransformation(None, None), "must both be callable"),
   ],
-  ids=["None", "str", "uncalled_factory"],
+  ids=["None", "str", "uncalled_factory", "None_functions"],
 )
 def test_inner_that_is_not_a_transformation_is_rejected(inner, hint):
   with pytest.raises(TypeError, match=f"`inner`.*{hint}"):
@@ -140,6 +143,42 @@ def test_bad_schedule_values_are_rejected_at_construction(
     optax_accum.accumulate(optax.sgd(0.1), schedule)
 
 
+@pytest.mark.parametrize(
+  "schedule, signature",
+  [
+    (lambda: 2, r"\(\)"),
+    (lambda step, seen, extra: 2, r"\(step, seen, extra\)"),
+    (lambda *, step: 2, r"\(\*, step\)"),
+  ],
+  ids=["no_argument", "three_arguments", "keyword_only"],
+)
+def test_schedule_that_cannot_take_the_step_is_rejected(schedule, signature):
+  with pytest.raises(
+    TypeError,
+    match=r"`every_k` schedule must take the optimizer step.*"
+    f"with signature {signature}",
+  ):
+    optax_accum.accumulate(optax.sgd(0.1), schedule)
+
+
+@pytest.mark.parametrize(
+  "schedule, k",
+  [
+    (lambda step, seen=None: 3, 3),  # takes (step, weight_seen)
+    (lambda *args: 2 + len(args), 4),
+    (lambda step, *, scale=1: 2 * scale, 2),
+  ],
+  ids=["default_second", "varargs", "keyword_option"],
+)
+def test_schedules_that_take_the_step_are_accepted(maybe_jit, schedule, k):
+  tx = optax_accum.accumulate(_common.identity(), schedule)
+  state, params = tx.init(jnp.zeros(2)), jnp.zeros(2)
+  update = maybe_jit(tx.update)
+  for _ in range(k):
+    _, state = update(jnp.ones(2), state, params)
+  assert int(state.every_k) == k and int(state.step) == 1
+
+
 def _nan_after_first_step(step):
   return jnp.where(step >= 1, jnp.nan, 2.0)
 
@@ -183,7 +222,9 @@ def test_schedule_beyond_int32_holds_the_cycle(maybe_jit):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flush", [None, "yes", 1, jnp.ones(2, bool)])
+@pytest.mark.parametrize(
+  "flush", [None, "yes", 1, jnp.ones(2, bool), [True], {"now": True}, object()]
+)
 def test_flush_must_be_a_boolean_scalar(maybe_jit, flush):
   tx = optax_accum.accumulate(optax.sgd(0.1), 2)
   params = _common.params()
@@ -200,8 +241,10 @@ def test_flush_must_be_a_boolean_scalar(maybe_jit, flush):
     (1 + 1j, TypeError, "real number"),
     (jnp.asarray(2 + 0j), TypeError, "real number"),
     (True, TypeError, "real number"),
+    ({"tokens": 3.0}, TypeError, r"real number .*got \{'tokens'"),
+    (object(), TypeError, "real number .*of type object"),
   ],
-  ids=["str", "complex", "complex_array", "bool"],
+  ids=["str", "complex", "complex_array", "bool", "dict", "object"],
 )
 def test_weight_must_be_a_real_scalar(maybe_jit, weight, error, match):
   """A complex weight's imaginary part used to be dropped silently."""
@@ -228,6 +271,88 @@ def test_traced_negative_weight_is_used_as_given():
   _, state = update(jnp.array([1.0, 2.0]), tx.init(params), params, weight=3.0)
   out, _ = update(jnp.array([4.0, 0.0]), state, params, weight=-1.0)
   np.testing.assert_allclose(out, jnp.array([-0.5, 3.0]))  # (3g0 - g1) / 2
+
+
+@pytest.mark.parametrize(
+  "weight", [np.inf, np.nan, jnp.float32(np.inf)], ids=["inf", "nan", "f32_inf"]
+)
+def test_concrete_nonfinite_weight_is_rejected(weight):
+  """inf / inf: the cycle's mean would be NaN. Under jit the weight is not
+  inspected: test_accumulate.py checks that the NaN reaches the inner."""
+  tx = optax_accum.accumulate(optax.sgd(0.1), 2)
+  params = _common.params()
+  with pytest.raises(
+    ValueError, match="`weight` must be finite, got (inf|nan)"
+  ):
+    tx.update(_common.grads(0), tx.init(params), params, weight=weight)
+
+
+@pytest.mark.parametrize("weight", [np.inf, np.nan], ids=["inf", "nan"])
+def test_nonfinite_weight_with_skip_nonfinite_is_dropped(maybe_jit, weight):
+  """Concrete or traced: dropped as documented, never an error."""
+  tx = optax_accum.accumulate(_common.identity(), 2, skip_nonfinite=True)
+  params = jnp.zeros(2)
+  update = maybe_jit(tx.update)
+  _, state = update(jnp.ones(2), tx.init(params), params, weight=1.0)
+  _, state = update(jnp.full(2, 5.0), state, params, weight=weight)
+  assert int(state.num_skipped) == 1 and int(state.micro_step) == 1
+  out, state = update(jnp.full(2, 3.0), state, params, weight=3.0)
+  np.testing.assert_allclose(out, jnp.full(2, 2.5))  # (1 + 3 * 3) / 4
+
+
+@pytest.mark.parametrize("every_k", [1, 2])
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8, jnp.bool_])
+def test_integer_or_boolean_gradients_are_rejected(maybe_jit, dtype, every_k):
+  """Floating params get a floating accumulator; an integer gradient is
+  something else passed by mistake (k = 1 used to pass it to `inner`)."""
+  tx = optax_accum.accumulate(optax.sgd(0.1), every_k)
+  params = _common.params()
+  grads = dict(_common.grads(0), b=jnp.ones(3, dtype))
+  with pytest.raises(
+    TypeError,
+    match=rf"`updates` leaf \['b'\] has dtype {jnp.dtype(dtype)}, but its"
+    " accumulator is float32: gradients must be floating",
+  ):
+    maybe_jit(tx.update)(grads, tx.init(params), params)
+
+
+def test_float0_gradients_of_integer_params_are_rejected():
+  """jax.grad(..., allow_int=True) gives float0 zeros, which no optax
+  optimizer takes; the error names the leaf (jit cannot take float0
+  arguments at all)."""
+  params = {"w": jnp.ones(3), "n": jnp.ones(2, jnp.int32)}
+  grads = jax.grad(lambda p: jnp.sum(p["w"]), allow_int=True)(params)
+  tx = optax_accum.accumulate(optax.sgd(0.1), 2)
+  with pytest.raises(TypeError, match=r"`updates` leaf \['n'\] has dtype"):
+    tx.update(grads, tx.init(params), params)
+
+
+def test_python_int_gradient_leaves_are_rejected(maybe_jit):
+  """The mean would be emitted in the gradient's dtype: 1.5 truncated to 1.
+  Python floats are accepted (test_accumulate.py)."""
+  tx = optax_accum.accumulate(_common.identity(), 2)
+  params = {"a": 0.0, "b": jnp.zeros(2)}
+  with pytest.raises(TypeError, match=r"`updates` leaf \['a'\] has dtype int"):
+    maybe_jit(tx.update)({"a": 1, "b": jnp.ones(2)}, tx.init(params), params)
+
+
+@pytest.mark.parametrize("every_k", [1, 2])
+def test_params_of_another_tree_or_shape_are_rejected(maybe_jit, every_k):
+  """adamw reads the params: other params used to broadcast silently (k =
+  1) or fail in a tree_map that named neither argument."""
+  tx = optax_accum.accumulate(optax.adamw(1e-3), every_k)
+  params = _common.params()
+  state = tx.init(params)
+  update = maybe_jit(tx.update)
+  grads = _common.grads(0)
+  with pytest.raises(ValueError, match=r"`params` must have the tree.*\['c'\]"):
+    update(grads, state, {"w": params["w"], "c": params["b"]})
+  with pytest.raises(
+    ValueError, match=r"`params` leaf \['b'\] has shape \(1,\), but the"
+  ):
+    update(grads, state, dict(params, b=jnp.ones(1)))
+  # The params given to init are accepted, in another dtype too.
+  update(grads, state, jax.tree.map(lambda p: p.astype(jnp.bfloat16), params))
 
 
 def test_complex_gradients_for_real_params_are_rejected(maybe_jit):
@@ -287,6 +412,31 @@ def test_state_shardings_rejects_what_is_not_a_transformation(tx):
     optax_accum.state_shardings(tx, params)
 
 
+def _make_tx():
+  return optax_accum.accumulate(optax.sgd(0.1), 2)
+
+
+@pytest.mark.parametrize(
+  "tx, match",
+  [
+    (
+      _make_tx,
+      r"signature \(\); a factory\? Call it first, e.g. `tx=_make_tx\(\)`",
+    ),
+    (lambda params, lr: _make_tx(), r"signature \(params, lr\)\."),
+  ],
+  ids=["factory", "two_arguments"],
+)
+def test_state_shardings_rejects_a_callable_of_another_arity(tx, match):
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  params = {"w": jax.device_put(jnp.zeros(2), NamedSharding(mesh, P()))}
+  with pytest.raises(TypeError, match="`tx` must be an optax.*" + match):
+    optax_accum.state_shardings(tx, params)
+  # Its init function is accepted.
+  shardings = optax_accum.state_shardings(_make_tx().init, params)
+  assert shardings.acc_grads["w"] == params["w"].sharding
+
+
 def test_tree_mismatch_names_the_key_path(maybe_jit):
   tx = optax_accum.accumulate(optax.adam(1e-3), 2)
   params = _common.params()
@@ -313,3 +463,74 @@ def test_noise_scale_decay_accepts_numpy_reals():
     optax.sgd(0.1), 2, track_noise_scale=True, noise_scale_decay=np.float32(0.9)
   )
   assert isinstance(tx, optax.GradientTransformationExtraArgs)
+
+
+# ---------------------------------------------------------------------------
+# Names from optax.MultiSteps (the migration table: examples/README.md).
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "kwargs, equivalent",
+  [
+    ({"every_k_schedule": 4}, "pass `every_k`"),
+    ({"use_grad_mean": False}, 'use_grad_mean=False is reduction="sum"'),
+    ({"should_skip_update_fn": optax.skip_not_finite}, "`skip_nonfinite=True`"),
+  ],
+  ids=lambda x: next(iter(x)) if isinstance(x, dict) else None,
+)
+def test_multisteps_arguments_name_the_equivalent(kwargs, equivalent):
+  ((name, value),) = kwargs.items()
+  with pytest.raises(
+    TypeError,
+    match=rf"`{name}` is an argument of optax.MultiSteps.*"
+    rf"got {name}={re.escape(repr(value))}\): .*{re.escape(equivalent)}",
+  ):
+    optax_accum.accumulate(optax.sgd(0.1), 2, **kwargs)
+
+
+def test_multisteps_opt_keyword_names_inner():
+  with pytest.raises(TypeError, match="`opt` is .*as `inner`"):
+    optax_accum.accumulate(opt=optax.sgd(0.1), every_k=2)
+
+
+def test_other_unknown_keywords_keep_pythons_message():
+  with pytest.raises(TypeError, match="unexpected keyword argument 'k'"):
+    optax_accum.accumulate(optax.sgd(0.1), 2, k=2)
+
+
+@pytest.mark.parametrize(
+  "name, equivalent",
+  [
+    ("mini_step", "read `micro_step`"),
+    ("gradient_step", "read `step`"),
+    ("inner_opt_state", "read `inner_state`"),
+    ("skip_state", "no equivalent; `num_skipped`"),
+  ],
+)
+def test_multisteps_state_fields_name_the_equivalent(
+  maybe_jit, name, equivalent
+):
+  """Also under jit, where the state is a tree of tracers."""
+  tx = optax_accum.accumulate(optax.sgd(0.1), 2)
+  state = tx.init(jnp.zeros(2))
+  with pytest.raises(
+    AttributeError,
+    match=rf"AccumulateState has no `{name}` .*MultiStepsState\): .*"
+    + re.escape(equivalent),
+  ):
+    maybe_jit(lambda s: getattr(s, name))(state)
+  # The state inside a chain says the same.
+  chained = optax.chain(optax.clip(1.0), tx).init(jnp.zeros(2))
+  with pytest.raises(AttributeError, match=f"has no `{name}`"):
+    getattr(chained[1], name)
+
+
+def test_other_missing_state_attributes_keep_the_usual_message():
+  state = optax_accum.accumulate(optax.sgd(0.1), 2).init(jnp.zeros(2))
+  with pytest.raises(
+    AttributeError, match="^'AccumulateState' object has no attribute 'foo'$"
+  ):
+    state.foo  # noqa: B018
+  assert not hasattr(state, "mini_step")
+  assert hasattr(state, "micro_step") and hasattr(state, "_replace")

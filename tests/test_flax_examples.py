@@ -72,16 +72,39 @@ def test_nnx_quickstart_matches_big_batch_with_uneven_micro_batches(
   )
 
 
-def test_linen_trainstate_matches_big_batch_and_counts_optimizer_steps(
-  linen_trainstate,
+@pytest.mark.parametrize("counts", ["calls", "optimizer_steps"])
+def test_linen_trainstate_matches_big_batch_with_either_step_count(
+  linen_trainstate, counts
 ):
-  big, state = linen_trainstate.train_both(steps=2, every_k=3, micro_batch=4)
-  assert int(state.step) == 2
+  """Two full windows of 3 and a last one of 1 that `flush=True` ends:
+  `step` counts the 7 calls or the 3 optimizer steps, as asked."""
+  big, states = linen_trainstate.train_both(steps=2, every_k=3, micro_batch=4)
+  state = states[counts]
+  assert int(state.step) == {"calls": 7, "optimizer_steps": 3}[counts]
+  assert int(state.opt_state.step) == int(big.step) == 3
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5),
     big.params,
     state.params,
   )
+
+
+def test_linen_trainstate_passes_flush_on(linen_trainstate, maybe_jit):
+  """Without `flush` reaching the optimizer, a short window emits nothing."""
+  state = linen_trainstate.AccumTrainState.create(
+    apply_fn=None,
+    params={"w": jnp.zeros(2)},
+    tx=optax_accum.accumulate(optax.sgd(1.0), 4),
+  )
+  grads = {"w": jnp.ones(2)}
+  apply = maybe_jit(
+    lambda s, flush: s.apply_gradients(grads=grads, flush=flush)
+  )
+  state = apply(state, False)
+  assert int(state.opt_state.step) == 0
+  state = apply(state, True)
+  assert int(state.opt_state.step) == 1 and int(state.step) == 2
+  np.testing.assert_array_equal(state.params["w"], -jnp.ones(2))
 
 
 # ---------------------------------------------------------------------------

@@ -242,7 +242,7 @@ def test_options_give_the_replicated_run(option):
   _close(params, ref_params, atol=1e-6, rtol=1e-5)
   for field in ("step", "micro_step", "every_k", "num_skipped"):
     assert int(getattr(state, field)) == int(getattr(ref_state, field)), field
-  if state.noise is not None:
+  if isinstance(state.noise, optax_accum.NoiseScaleState):
     np.testing.assert_allclose(
       np.asarray(optax_accum.noise_scale(state)),
       np.asarray(optax_accum.noise_scale(ref_state)),

@@ -460,8 +460,52 @@ def test_non_scalar_weight_is_rejected(maybe_jit):
 
 def test_output_that_is_not_value_and_grad_is_rejected(maybe_jit):
   grad_fn = optax_accum.microbatch(jax.grad(_loss), 4)
-  with pytest.raises(TypeError, match="`value_and_grad_fn` must return"):
+  with pytest.raises(
+    TypeError,
+    match="`value_and_grad_fn` must return.*pass `jax.value_and_grad",
+  ):
     maybe_jit(grad_fn)(_params(), _batch())
+
+
+def _scale_loss(w, batch):
+  """A scalar parameter: its gradient passes for a loss."""
+  return jnp.mean(w * batch["x"]), jnp.stack([w, w])
+
+
+@pytest.mark.parametrize("has_aux", [False, True])
+def test_gradient_function_of_params_and_batch_is_rejected(maybe_jit, has_aux):
+  """jax.grad(f, argnums=(0, 1)) returns (g_params, g_batch): a pair, like
+  value_and_grad's, that used to run and return the wrong structure."""
+  loss = _scale_loss if has_aux else lambda w, b: _scale_loss(w, b)[0]
+  grad_fn = optax_accum.microbatch(
+    jax.grad(loss, argnums=(0, 1), has_aux=has_aux), 2
+  )
+  with pytest.raises(
+    TypeError,
+    match=r"shaped like gradients with respect to the params \(argument 0\)"
+    r" and the micro-batch.*`jax.grad\(loss_fn, argnums=\(0, 1\)\)`",
+  ):
+    maybe_jit(grad_fn)(jnp.float32(2.0), {"x": jnp.arange(8.0)})
+
+
+def test_scalar_params_with_batch_shaped_aux_are_accepted(maybe_jit):
+  """value_and_grad's own output is never taken for a gradient function,
+  even where the loss is shaped like the params and the aux like the
+  micro-batch."""
+
+  def loss(w, batch):
+    per_example = w * batch["x"]
+    return jnp.mean(per_example), {"x": per_example}
+
+  vg = jax.value_and_grad(loss, has_aux=True)
+  batch = {"x": jnp.arange(8.0)}
+  (value, aux), grad = maybe_jit(optax_accum.microbatch(vg, 2))(
+    jnp.float32(2.0), batch
+  )
+  (ref_value, _), ref_grad = vg(jnp.float32(2.0), batch)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+  np.testing.assert_allclose(grad, ref_grad, rtol=1e-6)
+  assert aux["x"].shape == (4,)
 
 
 def test_complex_gradients_keep_their_imaginary_part():

@@ -114,7 +114,8 @@ def test_off_by_default_holds_no_noise_state_and_readers_say_so():
   state = tx.init(params)
   for i in range(4):
     _, state = tx.update(G * i, state, params)
-  assert state.noise is None
+  assert state.noise == optax.EmptyState()
+  assert not jax.tree.leaves(state.noise)
   for reader in (optax_accum.noise_scale, optax_accum.noise_scale_components):
     with pytest.raises(ValueError, match="track_noise_scale=True"):
       reader(state)
