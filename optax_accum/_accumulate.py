@@ -1195,7 +1195,6 @@ def _next_state(config, state, micro, micro_step, end: _End):
     step=step,
     weight_seen=weight_seen,
     noise=end.noise,
-    cycle_weight=end.cycle_weight,
     cycle_micro_batches=micro_step,
     emitted=end.emitted,
     decay=config.noise_scale_decay,

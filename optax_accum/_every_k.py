@@ -91,8 +91,10 @@ def grow_every_k(
       :math:`B_\text{simple}`.
     min_cycles: Cycles of evidence before each decision, a positive int.
     micro_batch_weight: :math:`w`, the weight of a typical micro-batch (e.g.
-      its number of tokens). ``None`` measures it: the weight of the cycle
-      that just ended divided by its number of micro-batches.
+      its number of tokens). ``None`` measures it over the whole run: the
+      weight of every cycle that ended with an update divided by their
+      micro-batches (a single light or heavy cycle moves it little; the
+      last cycle alone made the controller grow right after light ones).
 
   Returns:
     The controller's configuration, to pass as ``every_k``.
@@ -279,7 +281,10 @@ def init_grow(spec: Spec) -> GrowState | optax.EmptyState:
   """The controller's state; an empty record without a controller."""
   if spec.grow is None:
     return optax.EmptyState()
-  return GrowState(changed_at=jnp.zeros([], jnp.int32))
+  return GrowState(
+    changed_at=jnp.zeros([], jnp.int32),
+    micro_batches=jnp.zeros([], jnp.float32),
+  )
 
 
 def add_weight_seen(seen: jax.Array, weight: jax.Array) -> jax.Array:
@@ -300,13 +305,16 @@ def _grown(
   k: jax.Array,
   state: GrowState,
   noise: NoiseScaleState,
-  cycle_weight: jax.Array,
+  weight_seen: jax.Array,
   cycle_micro_batches: jax.Array,
   decay: float,
 ) -> tuple[jax.Array, GrowState]:
+  """`weight_seen` and the micro-batches include the cycle that just ended
+  (with an update)."""
   grad_sq, trace = _noise_scale.bias_corrected(noise, decay)
-  if grow.micro_batch_weight is None:
-    typical = cycle_weight / jnp.maximum(cycle_micro_batches, 1)
+  micro_batches = state.micro_batches + cycle_micro_batches.astype(jnp.float32)
+  if grow.micro_batch_weight is None:  # the run-long mean
+    typical = _state.total_of(weight_seen) / jnp.maximum(micro_batches, 1.0)
   else:
     typical = jnp.asarray(grow.micro_batch_weight, jnp.float32)
   target = grow.scale * (trace / grad_sq) / typical
@@ -323,7 +331,10 @@ def _grown(
   )
   return (
     jnp.where(decide, bigger, k).astype(jnp.int32),
-    GrowState(changed_at=jnp.where(decide, noise.cycles, state.changed_at)),
+    GrowState(
+      changed_at=jnp.where(decide, noise.cycles, state.changed_at),
+      micro_batches=micro_batches,
+    ),
   )
 
 
@@ -335,7 +346,6 @@ def next_k(
   step: jax.Array,
   weight_seen: jax.Array,
   noise: NoiseScaleState | optax.EmptyState,
-  cycle_weight: jax.Array,
   cycle_micro_batches: jax.Array,
   emitted: jax.Array,
   decay: float,
@@ -347,7 +357,7 @@ def next_k(
   if spec.schedule is not None:
     return _scheduled(spec, step, _state.total_of(weight_seen)), grow_state
   grown, new_state = _grown(
-    spec.grow, k, grow_state, noise, cycle_weight, cycle_micro_batches, decay
+    spec.grow, k, grow_state, noise, weight_seen, cycle_micro_batches, decay
   )
   # Only a cycle that ended with an update brought new evidence.
   k = jnp.where(emitted, grown, k)

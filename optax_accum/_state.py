@@ -44,9 +44,14 @@ class GrowState(NamedTuple):
     changed_at: ``int32[]``. The noise-scale cycle count
       (:attr:`NoiseScaleState.cycles`) when k last changed; the controller
       waits for ``min_cycles`` more before it decides again.
+    micro_batches: ``float32[]``. Micro-batches in the cycles that ended
+      with an update, since the start: with the weight of those cycles
+      (:func:`optax_accum.weight_seen`), the run-long mean micro-batch
+      weight that ``grow_every_k(micro_batch_weight=None)`` uses.
   """
 
   changed_at: jax.Array  # int32[]
+  micro_batches: jax.Array  # float32[]
 
 
 # The fields of optax.MultiStepsState, and where their meaning went: reading

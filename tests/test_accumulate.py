@@ -770,7 +770,7 @@ def test_layouts_keep_the_records(maybe_jit, config):
       local, local, replicated, replicated, replicated
     )
   if config == "grow":
-    assert specs.grow == optax_accum.GrowState(replicated)
+    assert specs.grow == optax_accum.GrowState(replicated, replicated)
   with_axis = maybe_jit(optax_accum.add_device_axis)(state)
   assert jax.tree.structure(with_axis) == jax.tree.structure(state)
   assert with_axis.acc_weight.shape == (1,) and with_axis.step.shape == ()

@@ -112,7 +112,9 @@ B_SIMPLE = D * SIGMA**2 / D  # tr(Sigma) / |G|^2 = 16 examples
 MICRO = 2.0  # examples per micro-batch: the target k is B_SIMPLE / MICRO = 8
 
 
-def _run_controller(grow, cycles, seed=0, every=None):
+def _run_controller(grow, cycles, seed=0, every=None, weight_of=None):
+  """`weight_of(cycle)`: the examples per micro-batch in that cycle
+  (default MICRO); each micro-batch's gradient is a mean over them."""
   tx = optax_accum.accumulate(
     optax.sgd(0.0),
     grow,
@@ -122,17 +124,18 @@ def _run_controller(grow, cycles, seed=0, every=None):
   params = jnp.zeros(D)
 
   @jax.jit
-  def step(state, key):
+  def step(state, key, weight):
     z = jax.random.normal(key, (D,))
-    g = G + SIGMA / jnp.sqrt(MICRO) * z
-    return tx.update(g, state, params, weight=MICRO)[1]
+    g = G + SIGMA / jnp.sqrt(weight) * z
+    return tx.update(g, state, params, weight=weight)[1]
 
   state = tx.init(params)
   key = jax.random.PRNGKey(seed)
   ks = []
   while len(ks) < cycles:
     key, sub = jax.random.split(key)
-    state = step(state, sub)
+    weight = MICRO if weight_of is None else weight_of(len(ks))
+    state = step(state, sub, jnp.float32(weight))
     if optax_accum.has_updated(state):
       ks.append(int(optax_accum.current_every_k(state)))
       if every is not None:
@@ -190,6 +193,39 @@ def test_controller_with_a_given_micro_batch_weight():
   )
   ks, _ = _run_controller(grow, cycles=100)
   assert set(ks) == {2}
+
+
+def test_a_light_cycle_does_not_make_the_controller_grow():
+  """The micro-batch weight is the run-long mean: one cycle of light
+  micro-batches (a quarter of the usual examples) right when the evidence
+  is ready does not pass for the typical micro-batch. At scale 0.25 the
+  target is 0.25 * 16 / 2 = 2 micro-batches: k stays at k_min; judged by
+  that light cycle alone (weight 0.5) the target would be 8."""
+  light = 5  # the cycle whose end first has min_cycles of evidence
+
+  def weight_of(cycle):
+    return MICRO / 4 if cycle == light else MICRO
+
+  ks, state = _run_controller(
+    optax_accum.grow_every_k(k_max=64, min_cycles=light + 1, scale=0.25),
+    cycles=40,
+    weight_of=weight_of,
+  )
+  assert set(ks) == {2}, ks
+  # The mean the controller read: every emitted cycle's weight over its
+  # micro-batches (here all cycles have k = 2).
+  assert float(state.grow.micro_batches) == 2 * 40
+  seen = float(optax_accum.weight_seen(state))
+  assert seen == pytest.approx(2 * MICRO * 39 + 2 * MICRO / 4)
+  # The same light cycle read as typical makes it grow: the test can fail.
+  ks_light, _ = _run_controller(
+    optax_accum.grow_every_k(
+      k_max=64, min_cycles=light + 1, scale=0.25, micro_batch_weight=MICRO / 4
+    ),
+    cycles=40,
+    weight_of=weight_of,
+  )
+  assert max(ks_light) > 2, ks_light
 
 
 SAVE, STOP = 6, 24
