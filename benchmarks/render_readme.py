@@ -79,6 +79,8 @@ def bench_step(payload: dict[str, Any]) -> str:
       [
         f"{r['optimizer']}, {r['dtype']}, {r['param_bytes'] / MB:g} MB",
         _spread(ratio["micro_vs_floor"]),
+        _spread(ratio.get("static_micro_vs_floor")),
+        _spread(ratio.get("optax_micro_vs_floor")),
         _spread(ratio["emit_vs_plain"]),
         f"{r['ratios']['extra_memory']:.2f}",
         _spread(ratio["multisteps_speedup"], suffix="x"),
@@ -88,6 +90,13 @@ def bench_step(payload: dict[str, Any]) -> str:
   targets = "".join(
     f"- {t['what']} {t['target']}\n" for t in payload["targets"].values()
   )
+  misses = "".join(
+    f"- {r['optimizer']}, {r['dtype']}, {r['size_mb']:g} MB, k={r['k']}:"
+    f" {c['what']} = {c['value']:.2f} (target {c['target']})\n"
+    for r in payload["results"]
+    for c in r["checks"].values()
+    if not c["pass"]
+  )
   return (
     _machine(payload)
     + f"\nk={k}:\n\n"
@@ -95,6 +104,8 @@ def bench_step(payload: dict[str, Any]) -> str:
       [
         "inner, params",
         "micro-step / floor",
+        "static micro-step / floor",
+        "with optax.apply_updates",
         "emit / plain",
         "extra memory / acc. bytes",
         "MultiSteps micro / ours",
@@ -102,8 +113,10 @@ def bench_step(payload: dict[str, Any]) -> str:
       ],
       rows,
     )
-    + "\nTargets:\n\n"
+    + "\nTargets (every size and k):\n\n"
     + targets
+    + "\nMisses:\n\n"
+    + (misses or "- none\n")
   )
 
 
