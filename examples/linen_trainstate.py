@@ -39,7 +39,9 @@ STEP_COUNTS = ("calls", "optimizer_steps")
 
 
 class AccumTrainState(train_state.TrainState):
-  """A TrainState whose `apply_gradients` passes `weight=` and `flush=` on.
+  """A TrainState whose `apply_gradients` passes `weight=`, `flush=` and
+  `emit=` on, and leaves the params untouched on a micro-step
+  (`optax_accum.apply_updates`).
 
   Attributes:
     counts: What `step` counts, "calls" or "optimizer_steps" (module
@@ -49,10 +51,16 @@ class AccumTrainState(train_state.TrainState):
   counts: str = struct.field(pytree_node=False, default="calls")
 
   def apply_gradients(
-    self, *, grads: Any, weight: Any = None, flush: Any = False, **kwargs
+    self,
+    *,
+    grads: Any,
+    weight: Any = None,
+    flush: Any = False,
+    emit: bool | None = None,
+    **kwargs,
   ):
     updates, opt_state = self.tx.update(
-      grads, self.opt_state, self.params, weight=weight, flush=flush
+      grads, self.opt_state, self.params, weight=weight, flush=flush, emit=emit
     )
     if self.counts == "calls":
       step = self.step + 1
@@ -60,7 +68,7 @@ class AccumTrainState(train_state.TrainState):
       step = self.step + optax_accum.has_updated(opt_state)
     return self.replace(
       step=step,
-      params=optax.apply_updates(self.params, updates),
+      params=optax_accum.apply_updates(self.params, updates, opt_state),
       opt_state=opt_state,
       **kwargs,
     )
