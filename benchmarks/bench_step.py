@@ -44,10 +44,10 @@ from _common import (
 )
 from _models import make_problem
 from _report import step_console, step_figure, step_markdown
+from _static import LEARNING_RATE, Static, prepare_floor
 
 import optax_accum
 
-LEARNING_RATE = 1e-3
 MIN_CALLS_PER_ROUND = 4
 DEFAULT_SIZES_MB = (1.0, 16.0)
 FULL_SIZES_MB = (1.0, 4.0, 16.0, 64.0, 256.0)
@@ -104,40 +104,6 @@ TARGETS = {
 # --- The variants: prepare(inner, k) -> the transformation of the step. ---
 
 
-class FloorState(NamedTuple):
-  """State of `prepare_floor`."""
-
-  count: jax.Array  # int32[]
-  acc: optax.Updates
-
-
-def prepare_floor(inner, k: int) -> optax.GradientTransformation:
-  """The least any accumulation pays, static (see `Static`): a micro-step
-  adds the gradient into the accumulator and returns the params untouched;
-  the last call of a cycle applies ``-lr * acc / k`` and resets (no inner
-  optimizer, no conditional). ``update(..., emit=...)``: a Python bool."""
-  del inner
-
-  def init(params):
-    return FloorState(
-      count=jnp.zeros([], jnp.int32),
-      acc=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
-    )
-
-  def update(updates, state, params=None, *, emit=False):
-    del params
-    acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), state.acc, updates)
-    if not emit:
-      return None, FloorState(state.count + 1, acc)
-    new_updates = jax.tree.map(
-      lambda a, g: ((-LEARNING_RATE / k) * a).astype(g.dtype), acc, updates
-    )
-    zeros = jax.tree.map(jnp.zeros_like, acc)
-    return new_updates, FloorState(jnp.zeros([], jnp.int32), zeros)
-
-  return optax.GradientTransformation(init, update)
-
-
 def prepare_plain(inner, k: int) -> optax.GradientTransformation:
   """The inner optimizer alone, on every call."""
   del k
@@ -180,40 +146,6 @@ VARIANTS = {
 # on every call, one compiled step).
 APPLY = {"accumulate+apply": "accum", "accumulate+static": "static"}
 APPLY["floor"] = "static"
-
-
-class Static:
-  """The static cycle's step: two compiled programs, ``emit=False`` and
-  ``emit=True``, picked on the host by a call counter (every k-th call
-  emits), each ``grad -> update(..., emit=) -> apply``, params and state
-  donated. Its memory is the larger program's."""
-
-  def __init__(self, grad_fn, tx, k: int, params, state, batch):
-    def step(params, state, batch, emit):
-      updates, state = tx.update(
-        grad_fn(params, batch), state, params, emit=emit
-      )
-      if isinstance(state, FloorState):  # the floor applies its own
-        if updates is not None:
-          params = optax.apply_updates(params, updates)
-        return params, state
-      return optax_accum.apply_updates(params, updates, state), state
-
-    jitted = jax.jit(step, donate_argnums=(0, 1), static_argnames="emit")
-    self.programs = [
-      jitted.lower(params, state, batch, emit=emit).compile()
-      for emit in (False, True)
-    ]
-    self.k, self.calls = k, 0
-
-  def __call__(self, params, state, batch):
-    emit = self.calls % self.k == self.k - 1
-    self.calls += 1
-    return self.programs[emit](params, state, batch)
-
-  def memory(self) -> dict[str, Any]:
-    memories = [compiled_memory(p) for p in self.programs]
-    return max(memories, key=lambda m: m["footprint"])
 
 
 # --- Measuring one configuration. ------------------------------------------

@@ -79,7 +79,7 @@ def make_train_step(tx, param_shardings, state_shardings, batch_sharding):
   def train_step(params, state, x, y):
     loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
     updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
+    return optax_accum.apply_updates(params, updates, state), state, loss
 
   return jax.jit(
     train_step,

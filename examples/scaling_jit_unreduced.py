@@ -100,7 +100,7 @@ def run(steps: int, every_k: int, micro_batch: int, lr: float) -> float:
   def micro_step(params, state, batch):
     (_, tokens), grads = grad_fn(params, batch)
     updates, state = tx.update(grads, state, params, weight=tokens)
-    return optax.apply_updates(params, updates), state
+    return optax_accum.apply_updates(params, updates, state), state
 
   with jax.set_mesh(mesh):
     params = jax.device_put(params0, NamedSharding(mesh, P()))

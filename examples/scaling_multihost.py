@@ -188,7 +188,7 @@ def train(args) -> float:
     state = optax_accum.drop_device_axis(state)
     updates, state = tx.update(grads, state, params, weight=tokens)
     state = optax_accum.add_device_axis(state)
-    return optax.apply_updates(params, updates), state
+    return optax_accum.apply_updates(params, updates, state), state
 
   params0 = {
     "w": np.zeros((DIM, OUT), np.float32),

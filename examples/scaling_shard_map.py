@@ -82,7 +82,9 @@ def make_train_step(tx, mesh, params):
     # them, and the emitted update is the mean over every token of the step.
     state = optax_accum.drop_device_axis(state)
     updates, state = tx.update(grads, state, params, weight=tokens)
-    params = optax.apply_updates(params, updates)
+    # The params are untouched until the cycle ends (optax.apply_updates
+    # would read and write them to add zeros).
+    params = optax_accum.apply_updates(params, updates, state)
     # Per-device loss sums; added up on the host, no collective needed.
     state = optax_accum.add_device_axis(state)
     return params, state, (loss * tokens)[None], tokens[None]

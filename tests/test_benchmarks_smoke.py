@@ -137,6 +137,8 @@ def test_bench_step_reports_every_variant_and_target(run_once):
       "floor",
       "plain",
       "accumulate",
+      "accumulate+apply",
+      "accumulate+static",
       "accumulate+noise",
       "MultiSteps",
       "apply_every",
