@@ -96,18 +96,18 @@ def _trajectory(monkeypatch, form, scenario, calls=12, jit=True):
     updates, state = tx.update(grads, state, params, **options)
     return optax_accum.apply_updates(params, updates, state), state, updates
 
+  def with_emit(p, s, g, o, emit=None):
+    return step(p, s, g, o if emit is None else o | {"emit": emit})
+
+  # One jitted function per trajectory (the form is read at trace time):
+  # `emit` static, the other options traced.
+  jitted = jax.jit(with_emit, static_argnames="emit")
   out = []
   for i in range(calls):
-    options = per_call(i)
-    call = step
-    if jit:  # `emit` is a static argument; the rest are traced.
-      static = {k: v for k, v in options.items() if k == "emit"}
-      traced = {k: v for k, v in options.items() if k != "emit"}
-      call = jax.jit(
-        lambda p, s, g, o, static=static: step(p, s, g, o | static)
-      )
-      options = traced
-    params, state, updates = call(params, state, grads_of(i), options)
+    options = dict(per_call(i))
+    emit = options.pop("emit", None)
+    call = jitted if jit else with_emit
+    params, state, updates = call(params, state, grads_of(i), options, emit)
     out.append((params, state, updates))
   return out
 
