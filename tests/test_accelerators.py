@@ -142,6 +142,44 @@ def _requests():
     )
     out[f"hsdp/{target}/floor"] = _request(variant="floor", **common)
     out[f"hsdp/{target}/plant/fsdp"] = _request(variant="plain", **common)
+  out.update(_gemm_table_requests())
+  return out
+
+
+# The table of weight-gradient GEMMs that add in place, on one H100, in
+# benchmarks/README.md: a row per GEMM library and step, a column per dtype
+# and weighting ("" where the floor has no weighting).
+GEMM_ROWS = {
+  "Triton (default), floor": (False, "floor"),
+  "Triton, traced": (False, "traced"),
+  "Triton, `emit=False`": (False, "micro"),
+  "cuBLAS, floor": (True, "floor"),
+  "cuBLAS, traced": (True, "traced"),
+  "cuBLAS, `emit=False`": (True, "micro"),
+}
+GEMM_COLUMNS = {
+  "f32": dict(dtype="f32"),
+  "f32, `weight=`": dict(dtype="f32", weight=True),
+  'f32, `weight=`, `gradients="sum"`': dict(
+    dtype="f32", weight=True, gradients="sum"
+  ),
+  "bf16": dict(dtype="bf16"),
+  "bf16, `weight=`": dict(dtype="bf16", weight=True),
+}
+
+
+def _gemm_table_requests():
+  out = {}
+  for row, (cublas, step) in GEMM_ROWS.items():
+    for column, fields in GEMM_COLUMNS.items():
+      if step == "floor" and set(fields) != {"dtype"}:
+        continue
+      case = dict(target=H100, cublas=cublas, dtype=fields["dtype"])
+      if step == "floor":
+        case["variant"] = "floor"
+      else:
+        case.update(fields, apply="accum", emit=step)
+      out[f"gemm/{row}/{column}"] = _request(**case)
   return out
 
 
@@ -376,6 +414,54 @@ def test_cublas_fuses_a_weighted_add_with_summed_gradients(facts):
   summed = "h100/accum/f32/weight/cublas/sum"
   assert gemms_fused(facts[summed]) is None
   assert at_floor(facts, summed, 1.10) is None
+
+
+def test_cublas_fuses_a_bf16_add_only_where_it_is_an_output(facts):
+  """With bf16 params the GEMM makes a bf16 gradient, converted to float32
+  for the add. XLA's GEMM rewriter folds such a mixed-type add into a
+  cuBLASLt GEMM only when the sum is an output of the program (ROOT, or in
+  the ROOT tuple): the floor's and the static micro-step's are; the traced
+  step's sum also feeds the conditional, so its add stays a separate kernel
+  (one more pass over the gradient than the floor; Triton, the default,
+  fuses neither)."""
+  floor = facts["gemm/cuBLAS, floor/bf16"]
+  static = facts["gemm/cuBLAS, `emit=False`/bf16"]
+  traced = facts["gemm/cuBLAS, traced/bf16"]
+  assert gemms_fused(floor) is None
+  assert gemms_fused(static) is None
+  assert static["bytes"]["micro-step"] <= 1.05 * floor["bytes"]["micro-step"]
+  assert not any(g["fused"] for g in traced["wgrad_gemms"])
+
+
+def _gemm_table(text):
+  """The README's GEMM table: {(row, column): "n/4" or ""}."""
+  lines = text[text.index("| weight-gradient GEMMs adding in place") :]
+  lines = lines.splitlines()
+  header = [c.strip() for c in lines[0].strip().strip("|").split("|")]
+  table = {}
+  for line in lines[2:]:
+    if not line.strip().startswith("|"):
+      break
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    for column, cell in zip(header[1:], cells[1:], strict=True):
+      table[cells[0], column] = cell
+  return table
+
+
+def test_the_benchmark_page_gemm_table_is_what_compiles(facts):
+  """Every cell of the table in benchmarks/README.md (so it can be
+  regenerated: these tests compile it)."""
+  table = _gemm_table((REPO / "benchmarks" / "README.md").read_text())
+  expected = {}
+  for row in GEMM_ROWS:
+    for column in GEMM_COLUMNS:
+      f = facts.get(f"gemm/{row}/{column}")
+      if f is None:
+        expected[row, column] = ""
+        continue
+      gemms = f["wgrad_gemms"]
+      expected[row, column] = f"{sum(g['fused'] for g in gemms)}/{len(gemms)}"
+  assert table == expected
 
 
 @pytest.mark.parametrize(
