@@ -490,6 +490,10 @@ def test_static_micro_step_is_the_floor(facts, key):
   assert no_copies_on_a_micro_step(f) is None
   assert not [c for c in f["collectives"] if c["bytes"] >= 1024]
   assert at_floor(facts, key, 1.05) is None
+  # Temp memory no larger than the floor's, but for a few scalars (the
+  # counter, the weight).
+  floor = facts[_floor_of(key)]
+  assert f["memory"]["temp"] <= floor["memory"]["temp"] + 1024
 
 
 @pytest.mark.parametrize(
