@@ -868,6 +868,13 @@ class _Branch(NamedTuple):
   params: Any = None  # the params, with the updates applied if emitted.
 
 
+def _if_emitted(emitted: jax.Array, new: Any, old: Any) -> Any:
+  """`new` where the call emitted, else `old` (cast to `new`'s dtypes)."""
+  return jax.tree.map(
+    lambda n, o: jnp.where(emitted, n, o.astype(n.dtype)), new, old
+  )
+
+
 def _emission(config, engine, tx, plan, extra_args, cycle: _Cycle, static):
   """The cycle's (reduced) mean gradient through `tx`, the inner
   transformation.
@@ -899,11 +906,7 @@ def _emission(config, engine, tx, plan, extra_args, cycle: _Cycle, static):
     updates = jax.tree.map(
       lambda u: jnp.where(emitted, u, jnp.zeros([], u.dtype)), updates
     )
-    inner_state = jax.tree.map(
-      lambda new, old: jnp.where(emitted, new, old.astype(new.dtype)),
-      inner_state,
-      cycle.inner_state,
-    )
+    inner_state = _if_emitted(emitted, inner_state, cycle.inner_state)
   return updates, inner_state, emitted, weight, noise, acc
 
 
@@ -919,11 +922,7 @@ def _emit(config, engine, tx, plan, extra_args, cycle: _Cycle) -> _Branch:
     return _Branch(updates, weight, noise, inner, emitted, weight)
   params = cycle.params
   if params is not None:
-    params = jax.tree.map(
-      lambda new, old: jnp.where(emitted, new, old),
-      optax.apply_updates(params, updates),
-      params,
-    )
+    params = _if_emitted(emitted, optax.apply_updates(params, updates), params)
   return _Branch(
     updates,
     weight,
@@ -1014,11 +1013,7 @@ def _close_cycle(
 
   def close(params, out):
     if params is not None:  # The select fuses into the update's kernel.
-      params = jax.tree.map(
-        lambda new, old: jnp.where(emitted, new, old),
-        _applied(plan, params, out),
-        params,
-      )
+      params = _if_emitted(emitted, _applied(plan, params, out), params)
     return params, _cleared(engine, out, cycle_end)
 
   def on_accelerator(params, out):
@@ -1064,7 +1059,7 @@ class _End(NamedTuple):
   """How a call ends: what it returns and what it leaves for the next."""
 
   updates: Any
-  emitted: Any  # bool[]; for `apply_updates`: a Python bool when static
+  emitted: Any  # bool[]
   new_params: Any  # the params with `updates` applied, or None
   acc: Any
   acc_weight: jax.Array
@@ -1296,7 +1291,7 @@ def _update(
     end = _static_end(config, engine, inner, plan, extra_args, cycle)
   else:
     end = _held(plan, cycle)
-  known = {True: True, False: False}.get(emit, end.emitted)
+  known = end.emitted if emit is None else emit  # a Python bool when static
   _apply.remember(end.updates, known, params, end.new_params)
   return end.updates, _next_state(config, state, micro, micro_step, end)
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_accum import _unreduced, _vma
+from optax_accum import _unreduced
 
 LOCAL, SHARD_MAP, UNREDUCED = "local", "shard_map", "unreduced"
 
@@ -45,14 +45,6 @@ class Engine(NamedTuple):
     if self.unreduced:
       return jnp.zeros_like(x)  # keeps the unreduced type under jit
     return jnp.zeros([], x.dtype)
-
-  def zeros_like(self, x: Any) -> Any:
-    """Zeros of `x`'s shape and dtype, typed as `x` (unreduced, or varying
-    over the shard_map axes `x` varies over)."""
-    zeros = jnp.zeros_like(x)
-    if self.kind == SHARD_MAP:
-      zeros = _vma.vary_over(zeros, _vma.varying_axes(jax.typeof(x)))
-    return zeros
 
   def select(self, pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     """``jnp.where`` with a replicated scalar `pred`."""

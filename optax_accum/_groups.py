@@ -240,14 +240,14 @@ def _mesh_groups(text: str) -> Groups | None:
   devices = np.arange(math.prod(sizes))
   listed = _DEVICE_IDS.match(text, pos)
   if listed is not None:
-    close = _closing_paren(text, listed.end() - 1)
-    inside = text[listed.end() : close]
+    end = balanced_end(text, listed.end() - 1)
+    inside = text[listed.end() : end - 1]
     if inside.startswith("["):
       dims, _, perm = inside.partition("T")
       devices = _iota_array(_ints(dims), _ints(perm))
     else:
       devices = np.array(_ints(inside))
-    pos = close + 1
+    pos = end
   if devices.size != math.prod(sizes):
     return None
   opening = re.compile(r"\s*\{").match(text, pos)
@@ -298,11 +298,12 @@ def _along(devices: np.ndarray, refs: list[tuple[int, int, int]]) -> Groups:
   return _rows(regrouped.reshape(-1, per_group))
 
 
-def _closing_paren(text: str, start: int) -> int:
-  """Index of the ``)`` closing the ``(`` at ``text[start]``."""
+def balanced_end(text: str, start: int) -> int:
+  """Index just past the bracket group opening at ``text[start]`` (the
+  end of `text` if it does not close); shared with ``_hlo``."""
   depth = 0
   for i in range(start, len(text)):
     depth += {"(": 1, ")": -1}.get(text[i], 0)
     if depth == 0:
-      return i
+      return i + 1
   return len(text)

@@ -92,16 +92,6 @@ def shape_bytes(shape: str) -> int:
   return total
 
 
-def _balanced(text: str, start: int) -> int:
-  """Index just past the bracket group opening at ``text[start]``."""
-  depth = 0
-  for i in range(start, len(text)):
-    depth += {"(": 1, ")": -1}.get(text[i], 0)
-    if depth == 0:
-      return i + 1
-  return len(text)
-
-
 @dataclasses.dataclass(frozen=True)
 class Instruction:
   """One HLO instruction.
@@ -141,7 +131,7 @@ def parse_instruction(line: str) -> Instruction | None:
     return None
   name, rest = match.groups()
   if rest.startswith("("):
-    end = _balanced(rest, 0)
+    end = _groups.balanced_end(rest, 0)
     shape, tail = rest[:end], rest[end:].lstrip()
   else:
     shape, _, tail = rest.partition(" ")
@@ -149,7 +139,7 @@ def parse_instruction(line: str) -> Instruction | None:
   if not paren or not re.fullmatch(r"[a-z][a-z0-9\-]*", opcode):
     return None
   open_at = len(opcode)
-  close_at = _balanced(tail, open_at)
+  close_at = _groups.balanced_end(tail, open_at)
   inside = tail[open_at + 1 : close_at - 1]
   operands = tuple(_operand_name(op) for op in _split_top_level(inside) if op)
   attributes = tail[close_at:]
@@ -472,12 +462,17 @@ class HloModule:
     shapes = {i.name: i.shape for i in self.computations[computation]}
     return sum(shape_bytes(shapes.get(op, "")) for op in instruction.operands)
 
-  def result_bytes(self, computation: str, instruction: Instruction) -> int:
-    """Bytes of an instruction's result; for an async ``-start``, of the
-    matching ``-done``'s result."""
+  def done_shape(self, computation: str, instruction: Instruction) -> str:
+    """An instruction's result shape; for an async ``-start`` (whose own
+    result also holds its operands), the matching ``-done``'s."""
     if instruction.opcode.endswith("-start"):
       done = instruction.opcode.removesuffix("-start") + "-done"
       for other in self.computations[computation]:
         if other.opcode == done and instruction.name in other.operands:
-          return shape_bytes(other.shape)
-    return shape_bytes(instruction.shape)
+          return other.shape
+    return instruction.shape
+
+  def result_bytes(self, computation: str, instruction: Instruction) -> int:
+    """Bytes of an instruction's result; for an async ``-start``, of the
+    matching ``-done``'s result."""
+    return shape_bytes(self.done_shape(computation, instruction))

@@ -20,7 +20,7 @@ an accumulation step:
 * whether XLA:GPU runs the conditionals inside CUDA command buffers, from
   the thunk sequence it dumps (:func:`conditionals_in_command_buffers`);
 * when each reduction starts relative to the gradient GEMMs in the
-  schedule (:meth:`Program.schedule`).
+  schedule (:meth:`Program.overlap`).
 
 Kernel bytes are the bytes of a kernel's operands plus its results that live
 in the device's main memory (HBM): an upper bound on the memory traffic it
@@ -111,24 +111,10 @@ _ARRAY_WITH_LAYOUT = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\](\{[^}]*\})?")
 def main_memory_bytes(shape: str) -> int:
   """Bytes of the arrays of an HLO shape that live in main memory (no
   ``S(n)`` memory-space annotation in their layout, n > 0)."""
-  total = 0
-  for dtype, dims, layout in _ARRAY_WITH_LAYOUT.findall(shape):
-    if layout and _ALTERNATE_MEMORY.search(layout):
-      continue
-    size = 1
-    for d in (int(d) for d in dims.split(",") if d):
-      size *= d
-    total += size * _hlo.element_bytes(dtype)
-  return total
-
-
-def footprint(memory: Any) -> int:
-  """Argument + temp + output - alias bytes of a ``memory_analysis()``."""
-  return (
-    memory.argument_size_in_bytes
-    + memory.temp_size_in_bytes
-    + memory.output_size_in_bytes
-    - memory.alias_size_in_bytes
+  return sum(
+    _hlo.shape_bytes(array.group())
+    for array in _ARRAY_WITH_LAYOUT.finditer(shape)
+    if not (array.group(3) and _ALTERNATE_MEMORY.search(array.group(3)))
   )
 
 
@@ -137,15 +123,11 @@ class Program:
 
   Args:
     compiled: a ``jax.stages.Compiled``, or the text of a compiled HLO
-      module (then `memory` is unknown).
+      module.
   """
 
   def __init__(self, compiled: Any):
-    if isinstance(compiled, str):
-      text, self.memory = compiled, None
-    else:
-      text, self.memory = compiled.as_text(), compiled.memory_analysis()
-    self.text = text
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
     self.hlo = _hlo.HloModule(text)
     self._index = {
       name: {i.name: i for i in insts}
@@ -186,21 +168,9 @@ class Program:
     }
     return bool(ops) and ops <= {"copy"}
 
-  def instruction_done_shape(
-    self, computation: str, inst: _hlo.Instruction
-  ) -> str:
-    """The result shape of an async ``-start``'s ``-done`` (its own result
-    also holds its operands); the instruction's own shape otherwise."""
-    if inst.opcode.endswith("-start"):
-      done = inst.opcode.removesuffix("-start") + "-done"
-      for other in self.hlo.computations[computation]:
-        if other.opcode == done and inst.name in other.operands:
-          return other.shape
-    return inst.shape
-
   def _result_bytes(self, computation: str, inst: _hlo.Instruction) -> int:
     """Main-memory bytes of a result (an async op's: its ``-done``'s)."""
-    return main_memory_bytes(self.instruction_done_shape(computation, inst))
+    return main_memory_bytes(self.hlo.done_shape(computation, inst))
 
   def _kernel(
     self, computation: str, inst: _hlo.Instruction, held: bool = False
@@ -210,9 +180,7 @@ class Program:
     )
     shapes = self.shapes(computation)
     if prefetch:  # It reads what it puts on chip (a slice: part of it).
-      operand_bytes = _hlo.shape_bytes(
-        self.instruction_done_shape(computation, inst)
-      )
+      operand_bytes = _hlo.shape_bytes(self.hlo.done_shape(computation, inst))
     else:
       operand_bytes = sum(
         main_memory_bytes(shapes.get(op, "")) for op in inst.operands
@@ -359,16 +327,6 @@ class Program:
       "reductions": len(starts),
       "started_before_last_gemm": sum(p < last for p in starts),
     }
-
-  def schedule(self, computation: str | None = None) -> list[Kernel]:
-    """The kernels of one computation in schedule order (the entry by
-    default), without entering conditionals or loops."""
-    computation = computation or self.hlo.entry
-    return [
-      self._kernel(computation, inst)
-      for inst in self.hlo.computations[computation]
-      if inst.opcode not in _NOT_KERNELS and not _ASYNC_DONE.search(inst.opcode)
-    ]
 
 
 def _first_array(shape: str) -> str:

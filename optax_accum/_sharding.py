@@ -65,8 +65,9 @@ def _check_takes_params(tx: Callable) -> None:
     ) from None
 
 
-def _param_shardings(params: Any) -> list[tuple[tuple, tuple, NamedSharding]]:
-  """(path, shape, sharding) of each param; raises naming `params`."""
+def param_shardings(params: Any) -> list[tuple[tuple, tuple, NamedSharding]]:
+  """(key path, shape, NamedSharding) of each param, longest path first;
+  raises naming `params` when a leaf has no NamedSharding."""
   found = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     sharding = getattr(leaf, "sharding", None)
@@ -87,7 +88,8 @@ def _param_shardings(params: Any) -> list[tuple[tuple, tuple, NamedSharding]]:
       "`params` must all be sharded over one mesh, got"
       f" {len(meshes)} different meshes: {sorted(map(str, meshes))}."
     )
-  return found
+  # Longest param path first, so that {"a": {"w"}} wins over {"w"}.
+  return sorted(found, key=lambda item: len(item[0]), reverse=True)
 
 
 def state_shardings(
@@ -168,14 +170,6 @@ def state_shardings(
     return param_copied(found, path, leaf.shape) or replicated
 
   return jax.tree_util.tree_map_with_path(follow, state_shapes, typed_shapes)
-
-
-def param_shardings(params: Any) -> list[tuple[tuple, tuple, NamedSharding]]:
-  """(key path, shape, NamedSharding) of each param, longest path first;
-  raises naming `params` when a leaf has no NamedSharding."""
-  found = _param_shardings(params)
-  # Longest param path first, so that {"a": {"w"}} wins over {"w"}.
-  return sorted(found, key=lambda item: len(item[0]), reverse=True)
 
 
 def param_copied(
