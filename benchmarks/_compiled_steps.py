@@ -285,25 +285,19 @@ def _floor_step(case: Case, mesh):
   return jax.jit(step, donate_argnums=(0, 1)), (params, acc, batch)
 
 
-def _state_specs(tx, params, mesh):
-  shapes = jax.tree.map(
-    lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params
-  )
-  return optax_accum.shard_map_specs(jax.eval_shape(tx.init, shapes), AXIS)
-
-
 def build(case: Case):
   """``(jitted step, arguments)`` of `case`, ready to lower."""
   explicit = case.engine == "unreduced" and case.variant != "plain"
   mesh = _mesh(case, explicit=explicit)
   if case.variant == "floor":
-    return _floor_step(case, _mesh(case, explicit=_explicit(case)))
+    return _floor_step(case, mesh)
   params, batch = _params_and_batch(case, mesh)
   tx = _transformation(case)
   weight = _spec(mesh, (), jnp.float32)
 
   if case.engine in SHARDED:
-    return _sharded_step(case, mesh, tx, params, batch, weight)
+    deferred = SHARDED[case.engine][2]
+    return _sharded_step(case, mesh, tx, params, batch, weight, deferred)
   if case.engine == "local" or case.variant == "plain":
     # Plain data parallel for the distributed engines' baseline: the batch
     # is sharded, jit all-reduces the gradient on every call.
@@ -318,27 +312,12 @@ def build(case: Case):
     return jax.jit(step, donate_argnums=(0, 1)), (params, state, batch, weight)
 
   if case.engine == "unreduced":
-    with jax.set_mesh(mesh):
-      shardings = optax_accum.state_shardings(tx, params)
-      state = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-        jax.eval_shape(tx.init, params),
-        shardings,
-      )
-    grad_fn = optax_accum.local_value_and_grad(loss_fn, axis_name=AXIS)
+    return _sharded_step(case, mesh, tx, params, batch, weight, AXIS)
 
-    def step(params, state, batch, weight):
-      _, grads = grad_fn(params, batch)
-      return _update_and_apply(case, tx, grads, state, params, weight)
-
-    return _with_mesh(mesh, jax.jit(step, donate_argnums=(0, 1))), (
-      params,
-      state,
-      batch,
-      weight,
-    )
-
-  specs = _state_specs(tx, params, mesh)
+  shapes = jax.tree.map(
+    lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params
+  )
+  specs = optax_accum.shard_map_specs(jax.eval_shape(tx.init, shapes), AXIS)
   init = jax.shard_map(
     lambda p: optax_accum.add_device_axis(tx.init(p)),
     mesh=mesh,
@@ -366,11 +345,13 @@ def _explicit(case: Case) -> bool:
   return case.engine in ("unreduced", *SHARDED)
 
 
-def _sharded_step(case: Case, mesh, tx, params, batch, weight):
-  """Params sharded, plain ``jit``: HSDP (the gradient reduce-scattered
-  over "fsdp" on every call, over "replica" deferred to the emitting
-  call), FSDP reducing every call, or 1-D FSDP deferred; ``plain``: FSDP
-  over every device, reduced on every call."""
+def _sharded_step(case: Case, mesh, tx, params, batch, weight, deferred):
+  """Plain ``jit`` on an explicit mesh, the reduction deferred over the
+  axis `deferred` (None: reduced every call): the unreduced engine
+  (replicated params), or params sharded (:data:`SHARDED`): HSDP (the
+  gradient reduce-scattered over "fsdp" on every call, over "replica"
+  deferred to the emitting call), FSDP reducing every call, or 1-D FSDP
+  deferred; ``plain``: FSDP over every device, reduced on every call."""
   with jax.set_mesh(mesh):
     shardings = optax_accum.state_shardings(tx, params)
   state = jax.tree.map(
@@ -378,7 +359,6 @@ def _sharded_step(case: Case, mesh, tx, params, batch, weight):
     jax.eval_shape(tx.init, params),
     shardings,
   )
-  deferred = SHARDED[case.engine][2]
   if case.variant == "plain" or deferred is None:
     grad_fn = jax.value_and_grad(loss_fn)
   else:

@@ -64,6 +64,7 @@ import optax
 from _common import (
   MB,
   add_run_arguments,
+  csv_list,
   fmt,
   fmt_spread,
   int_list,
@@ -489,7 +490,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument(
     "--sharded-targets",
     default="cpu,h100x8,v5e_2x4",
-    type=lambda s: [t for t in s.split(",") if t],
+    type=csv_list(),
     help="targets of the sharded-params table (default cpu,h100x8,v5e_2x4;"
     " empty: none)",
   )

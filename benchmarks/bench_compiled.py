@@ -37,7 +37,6 @@ from typing import Any
 
 import jax.numpy as jnp
 
-import optax_accum
 from optax_accum import _collectives as _collectives_lib
 from optax_accum import _hlo, _program, _targets
 
@@ -114,12 +113,10 @@ def collectives_with_axes(case: Case, compiled) -> list[dict[str, Any]]:
   """Each collective: opcode, bytes on one device, where it runs (every
   call, the emitting branch, another branch) and the mesh axes its device
   groups span."""
-  text = compiled.as_text()
-  records = optax_accum.collectives(text)
+  hlo = _hlo.HloModule(compiled.as_text())  # parsed once for both
+  records = _collectives_lib._records(hlo)
   mesh = _mesh(case, explicit=_explicit(case))
-  coordinates = _collectives_lib._coordinates(
-    mesh, compiled, _hlo.HloModule(text)
-  )
+  coordinates = _collectives_lib._coordinates(mesh, compiled, hlo)
   return [
     {
       "opcode": c.opcode,
@@ -185,15 +182,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument(
     "--targets",
     default="cpu,h100,h100x8,v5e_2x2",
-    type=lambda s: [t for t in s.split(",") if t],
+    type=_common.csv_list(),
     help="cpu and/or names of optax_accum._targets.TARGETS",
   )
   parser.add_argument("--width", type=int, default=2048)
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--batch", type=int, default=16, help="rows per device")
-  parser.add_argument(
-    "--dtypes", default="f32,bf16", type=lambda s: s.split(",")
-  )
+  parser.add_argument("--dtypes", default="f32,bf16", type=_common.csv_list())
   parser.add_argument("--out", default=str(_common.RESULTS_DIR))
   args = parser.parse_args(argv)
   rows = []
@@ -215,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _summary(facts: dict) -> str:
-  mib = 2**20
+  mib = _common.MB
   return (
     f"{facts['name']:55s} conds={facts['conditionals']}"
     f" adam_every_call={facts['adam_every_call']}"
