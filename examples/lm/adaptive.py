@@ -16,8 +16,9 @@ The learning rate follows k in every run by OLMo-core's square-root rule,
 ``lr = --lr * sqrt(k / --k-small)``, through ``optax_accum.inner_for_every_k``
 (constant within a run for the fixed runs). Two more controller runs (in the
 default --runs) isolate its inputs: ``controller-known-w`` is told the mean
-micro-batch weight (``micro_batch_weight=``) instead of measuring it from
-the last cycle, ``controller-uncoupled`` keeps the learning rate constant.
+micro-batch weight (``micro_batch_weight=``) instead of measuring it over
+the run (the cycles that ended with an update), ``controller-uncoupled``
+keeps the learning rate constant.
 Each run draws ``current_every_k`` micro-batches per cycle, as a data loader
 would, and flushes the last partial cycle so that every run trains on
 exactly the same tokens. Held-out loss is measured (train.heldout_loss, the

@@ -28,7 +28,6 @@ Writes ``wire_dtype.json`` and ``wire_dtype.md`` to ``--out`` (default
 import argparse
 import json
 import pathlib
-import sys
 import time
 from collections.abc import Sequence
 
@@ -43,7 +42,7 @@ import optax_accum
 from config import Config
 from input_pipeline import load_data, micro_batches, step_batch
 from models import TransformerLM
-from train import heldout_loss, make_tx, mean_token_loss
+from train import heldout_loss, make_tx, max_abs_diff, mean_token_loss
 
 HERE = pathlib.Path(__file__).resolve().parent
 AXIS = "data"
@@ -95,15 +94,7 @@ def run(cfg: Config, data, wire: str, devices: int) -> dict:
     "params": params,
     "heldout": heldout_loss(model, data.heldout, cfg.batch_size),
     "seconds": seconds,
-    "steps": int(np.asarray(state.step)[0]),
   }
-
-
-def max_abs_diff(a, b) -> float:
-  return max(
-    float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-  )
 
 
 def markdown(payload: dict) -> str:
@@ -194,4 +185,4 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-  sys.exit(main() and 0)
+  main()
