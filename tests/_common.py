@@ -1,8 +1,14 @@
 """Small trees and transformations shared by the test modules."""
 
+import os
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # Every behaviour runs eagerly and under jit (the `maybe_jit` fixture).
 MODES = {"nojit": lambda f: f, "jit": jax.jit}
@@ -31,3 +37,30 @@ def flat(tree):
     jax.tree_util.keystr(path): leaf
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
   }
+
+
+def accel_env() -> dict[str, str]:
+  """The environment of a subprocess that compiles for an H100 or a TPU
+  without the devices: the CUDA plugin and libtpu that `make test` installs
+  (in ``OPTAX_ACCUM_ACCEL``, default ``.venv/accel``) on its path. Fails the
+  test, never skips it, when they are missing."""
+  accel = pathlib.Path(
+    os.environ.get("OPTAX_ACCUM_ACCEL", REPO / ".venv" / "accel")
+  )
+  missing = [p for p in ("libtpu", "jax_plugins") if not (accel / p).is_dir()]
+  if missing:
+    pytest.fail(
+      f"no {' or '.join(missing)} in {accel} (OPTAX_ACCUM_ACCEL): run `make"
+      " test`, which installs the accelerator compilers there, or set"
+      " OPTAX_ACCUM_ACCEL to a folder holding `pip install --no-deps"
+      " --target DIR $(python -m optax_accum._targets)`."
+    )
+  env = dict(os.environ)
+  env.update(
+    JAX_PLATFORMS="cpu",  # compile only: no TPU or GPU is looked for
+    PYTHONPATH=os.pathsep.join([str(accel), str(REPO)]),
+    TPU_SKIP_MDS_QUERY="1",
+    # libtpu locks a file while loaded; other tests compile for a TPU too.
+    ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+  )
+  return env

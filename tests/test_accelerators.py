@@ -18,25 +18,25 @@ The compilers come from ``make test`` (``.venv/accel``, or the folder in
 """
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 import tempfile
 
+import _common
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-ACCEL = pathlib.Path(
-  os.environ.get("OPTAX_ACCUM_ACCEL", REPO / ".venv" / "accel")
-)
 
 H100, H100X8, TPU = "h100", "h100x8", "v5e_2x2"
 TPU8 = "v5e_2x4"  # 8 chips: HSDP as 2 replicas x 4
 ENGINES = ("shard_map", "unreduced")
-OPTIONS = {"plain": {}, "weight": {"weight": True}, "skip": {"skip": True}}
-OPTIONS["noise"] = {"noise": True}
-APPLY = {"optax": "optax", "accum": "accum"}
+OPTIONS = {
+  "plain": {},
+  "weight": {"weight": True},
+  "skip": {"skip": True},
+  "noise": {"noise": True},
+}
 
 
 def _request(plant=None, **case):
@@ -189,21 +189,7 @@ REQUESTS = _requests()
 @pytest.fixture(scope="module")
 def facts():
   """Every case compiled once, in a subprocess with the compilers."""
-  if not (ACCEL / "jax_plugins").is_dir() or not (ACCEL / "libtpu").is_dir():
-    pytest.fail(
-      f"No accelerator compilers in {ACCEL}: run `make test` (it installs"
-      " them), or set OPTAX_ACCUM_ACCEL to a folder holding"
-      " `pip install --no-deps --target DIR $(python -m"
-      " optax_accum._targets)`."
-    )
-  env = dict(os.environ)
-  env.update(
-    JAX_PLATFORMS="cpu",
-    PYTHONPATH=os.pathsep.join([str(ACCEL), str(REPO)]),
-    TPU_SKIP_MDS_QUERY="1",
-    # libtpu locks a file while loaded; other tests compile for a TPU too.
-    ALLOW_MULTIPLE_LIBTPU_LOAD="1",
-  )
+  env = _common.accel_env()
   with tempfile.TemporaryDirectory() as tmp:
     requests = pathlib.Path(tmp, "requests.json")
     out = pathlib.Path(tmp, "facts.json")
@@ -220,15 +206,15 @@ def facts():
     return json.loads(out.read_text())
 
 
-def keys(*patterns, plants=False):
-  """The request keys that start with one of `patterns`."""
-  return [
-    k for k in REQUESTS if k.startswith(patterns) and ("/plant/" in k) == plants
-  ]
+def keys(*patterns):
+  """The request keys that start with one of `patterns`, but the plants."""
+  return [k for k in REQUESTS if k.startswith(patterns) and "/plant/" not in k]
 
 
-def _ratio(facts, key, floor_key, path="micro-step"):
-  return facts[key]["bytes"][path] / facts[floor_key]["bytes"]["micro-step"]
+def _ratio(facts, key, floor_key):
+  """Micro-step kernel bytes of `key` over those of `floor_key`."""
+  step, floor = facts[key]["bytes"], facts[floor_key]["bytes"]
+  return step["micro-step"] / floor["micro-step"]
 
 
 def _floor_of(key):
@@ -397,7 +383,7 @@ def test_weight_gradient_gemms_add_into_the_accumulator(facts, key):
   assert gemms_fused(facts[_floor_of(key)]) is None  # as the floor's
 
 
-def test_bf16_gemms_fuse_the_add_as_the_floor_does_not(facts):
+def test_bf16_gemms_with_triton_add_apart_as_the_floor_does(facts):
   """The convert between a bf16 gradient and a float32 accumulator keeps
   the add out of the GEMM, in the floor too: nothing to lose there."""
   for key in ("h100/accum/bf16/plain", "h100/floor/bf16"):

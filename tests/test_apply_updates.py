@@ -131,15 +131,21 @@ def test_static_calls_apply_at_trace_time(emit):
 
 
 def test_reads_the_state_inside_an_nnx_optimizer():
-  """A flax.nnx.Optimizer's opt_state holds OptArray leaves."""
+  """A flax.nnx.Optimizer's opt_state holds OptArray leaves: the flag of
+  the call that emitted is read through them (every_k=1: every call
+  emits, so the updates are applied, not ignored)."""
   model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-  tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+  tx = optax_accum.accumulate(optax.sgd(1.0), 1)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  params = nnx.state(model, nnx.Param)
+  params = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
   grads = jax.tree.map(jnp.ones_like, params)
   updates, _ = tx.update(grads, tx.init(params), params)
+  optimizer.update(model, grads)  # its opt_state: after an emitting call
   out = optax_accum.apply_updates(params, updates, optimizer.opt_state)
-  chex.assert_trees_all_equal(out, params)
+  expected = optax.apply_updates(params, updates)
+  chex.assert_trees_all_equal(out, expected)
+  with pytest.raises(AssertionError):  # the updates are not zeros
+    chex.assert_trees_all_equal(expected, params)
 
 
 def test_without_an_accumulate_state_names_the_function():

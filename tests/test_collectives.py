@@ -24,12 +24,12 @@ catches a per-step reduction over ``replica``.
 
 import functools
 import json
-import os
 import pathlib
 import re
 import subprocess
 import sys
 
+import _common
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -793,21 +793,6 @@ def test_axis_name_errors():
 # ----------------------------------------------------------------------------
 
 
-def _accelerator_compilers():
-  """The directory of the CUDA plugin and libtpu that `make test` installs."""
-  path = pathlib.Path(
-    os.environ.get("OPTAX_ACCUM_ACCEL", REPO / ".venv" / "accel")
-  )
-  missing = [p for p in ("libtpu", "jax_plugins") if not (path / p).is_dir()]
-  if missing:
-    pytest.fail(
-      f"no {' or '.join(missing)} in {path} (OPTAX_ACCUM_ACCEL): run `make"
-      " test`, which installs the accelerator compilers there before the"
-      " suite runs."
-    )
-  return path
-
-
 def _accelerator_report():
   """What the reader finds in programs compiled for a v5e 2x4 slice (and
   one for 8 H100s); run by `_accelerator_run` with JAX_PLATFORMS=cpu and
@@ -885,14 +870,7 @@ def _accelerator_report():
 
 @functools.cache
 def _accelerator_run():
-  env = dict(os.environ)
-  env["JAX_PLATFORMS"] = "cpu"  # compile only: no TPU (or GPU) is looked for
-  env["PYTHONPATH"] = os.pathsep.join(
-    [str(REPO), str(_accelerator_compilers())]
-  )
-  # Other tests may hold libtpu's lock file; a compile-only process does not
-  # need the TPU it guards.
-  env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+  env = _common.accel_env()
   result = subprocess.run(
     [sys.executable, __file__, "accelerators"],
     capture_output=True,
@@ -960,11 +938,9 @@ def test_tpu_v5e_reduce_scatter_bytes():
 def test_h100_groups():
   """XLA:GPU: jit's reduce-scatter is a reduce-scatter (async pair), its
   groups in the mesh form, as are the all-gather's and the all-reduce's."""
-  records = _accelerator_run()["gpu_grad"]["records"]
-  assert [
-    (r["opcode"], r["form"], tuple(map(tuple, r["groups"])), tuple(r["axes"]))
-    for r in records
-  ] == [
+  report = _accelerator_run()
+  records = report["gpu_grad"]["records"]
+  assert _records_of(report, "gpu_grad") == [
     ("all-gather", "mesh, device_ids", FSDP_GROUPS, ("fsdp",)),
     ("reduce-scatter", "mesh, device_ids", FSDP_GROUPS, ("fsdp",)),
     ("all-reduce", "mesh, device_ids", REPLICA_GROUPS, ("replica",)),

@@ -57,6 +57,14 @@ def _run_with(tmp_path, files, code):
   )
 
 
+def _import_error(tmp_path, files):
+  """`import optax_accum` with `files` installed: fails, and the last line
+  of the traceback (the error it raises)."""
+  result = _run_with(tmp_path, files, "import optax_accum")
+  assert result.returncode != 0
+  return result, result.stderr.strip().splitlines()[-1]
+
+
 def test_the_fake_old_jax_reproduces_the_issue(tmp_path):
   result = _run_with(
     tmp_path, FAKE_OLD_JAX, "from jax.sharding import AxisType"
@@ -66,9 +74,7 @@ def test_the_fake_old_jax_reproduces_the_issue(tmp_path):
 
 
 def test_an_old_jax_fails_at_import_naming_the_minimum(tmp_path):
-  result = _run_with(tmp_path, FAKE_OLD_JAX, "import optax_accum")
-  assert result.returncode != 0
-  last = result.stderr.strip().splitlines()[-1]
+  result, last = _import_error(tmp_path, FAKE_OLD_JAX)
   assert last.startswith("ImportError: optax_accum needs jax>=0.10.2,"), last
   assert "installed: jax 0.4.28." in last, last
   assert '"jax>=0.10.2" "jaxlib>=0.10.2" "optax>=0.2.8"' in last, last
@@ -76,9 +82,7 @@ def test_an_old_jax_fails_at_import_naming_the_minimum(tmp_path):
 
 
 def test_an_old_optax_fails_at_import_naming_the_minimum(tmp_path):
-  result = _run_with(tmp_path, FAKE_OLD_OPTAX, "import optax_accum")
-  assert result.returncode != 0
-  last = result.stderr.strip().splitlines()[-1]
+  result, last = _import_error(tmp_path, FAKE_OLD_OPTAX)
   assert last.startswith("ImportError: optax_accum needs"), last
   assert "optax>=0.2.8" in last, last
   assert "installed: optax 0.2.2." in last, last
@@ -128,9 +132,7 @@ def test_readme_states_the_minimums():
 
 
 def test_an_old_optax_that_does_not_import_is_named(tmp_path):
-  result = _run_with(tmp_path, FAKE_BROKEN_OPTAX, "import optax_accum")
-  assert result.returncode != 0
-  last = result.stderr.strip().splitlines()[-1]
+  result, last = _import_error(tmp_path, FAKE_BROKEN_OPTAX)
   assert last.startswith("ImportError: optax_accum needs"), last
   assert "installed: optax 0.2.7." in last, last
   # The cause stays in the traceback.
