@@ -15,10 +15,11 @@ axis_name="replica")``. The results go to ``--out`` as JSON.
 Not a test module: importing it does nothing.
 """
 
-import argparse
 import json
 import os
 import sys
+
+from _multiprocess_worker import big_batch_reference, parse_args
 
 K = 4  # micro-batches per optimizer step
 STEPS = 2  # optimizer steps
@@ -27,17 +28,8 @@ DIM, OUT = 16, 8
 REPLICAS, FSDP = 2, 4
 
 
-def _parse_args(argv):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--coordinator", required=True, help="host:port")
-  parser.add_argument("--num-processes", type=int, required=True)
-  parser.add_argument("--process-id", type=int, required=True)
-  parser.add_argument("--out", required=True, help="JSON result file")
-  return parser.parse_args(argv)
-
-
 def main(argv=None) -> None:
-  args = _parse_args(argv)
+  args = parse_args(argv, __doc__.splitlines()[0])
   os.environ.setdefault(
     "XLA_FLAGS", f"--xla_force_host_platform_device_count={FSDP}"
   )
@@ -90,17 +82,7 @@ def main(argv=None) -> None:
     # SGD with momentum: linear in the gradient, a weighting error shows.
     inner = optax.sgd(0.1, momentum=0.9)
 
-    local = jax.local_devices()[0]
-    ref = jax.device_put(params0, local)
-    ref_state = inner.init(ref)
-    for s in range(STEPS):
-      big = [
-        jax.device_put(a[s].reshape(-1, *a.shape[3:]), local)
-        for a in (x, y, mask)
-      ]
-      grad, _ = jax.grad(mean_loss, has_aux=True)(ref, *big)
-      updates, ref_state = inner.update(grad, ref_state, ref)
-      ref = optax.apply_updates(ref, updates)
+    ref = big_batch_reference(mean_loss, inner, params0, (x, y, mask))
 
     by_batch = NamedSharding(mesh, P(("replica", "fsdp")))
 

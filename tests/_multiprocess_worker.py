@@ -34,8 +34,9 @@ PER_DEVICE = 2  # examples per device per micro-batch
 SEQ, DIM, OUT = 5, 4, 3
 
 
-def _parse_args(argv):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv, description):
+  """The worker's arguments (shared with _multiprocess_hsdp_worker.py)."""
+  parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--coordinator", required=True, help="host:port")
   parser.add_argument("--num-processes", type=int, required=True)
   parser.add_argument("--process-id", type=int, required=True)
@@ -43,8 +44,30 @@ def _parse_args(argv):
   return parser.parse_args(argv)
 
 
+def big_batch_reference(mean_loss, inner, params0, arrays):
+  """The reference: on one local device, one optimizer step per big batch.
+
+  `arrays` are ``(steps, K, per-process batch, ...)``; a step's big batch
+  is all its micro-batches, of every process, as one batch. `mean_loss`
+  returns ``(loss, aux)``."""
+  import jax
+  import optax
+
+  local = jax.local_devices()[0]
+  ref = jax.device_put(params0, local)
+  ref_state = inner.init(ref)
+  for s in range(len(arrays[0])):
+    big = [
+      jax.device_put(a[s].reshape(-1, *a.shape[3:]), local) for a in arrays
+    ]
+    grad, _ = jax.grad(mean_loss, has_aux=True)(ref, *big)
+    updates, ref_state = inner.update(grad, ref_state, ref)
+    ref = optax.apply_updates(ref, updates)
+  return ref
+
+
 def main(argv=None) -> None:
-  args = _parse_args(argv)
+  args = parse_args(argv, __doc__.splitlines()[0])
   # Before the backend starts: the parent sets the device count, this keeps
   # the worker runnable by hand too.
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
@@ -101,18 +124,7 @@ def main(argv=None) -> None:
     # in the weighting shows (adam's first step would hide a scale error).
     inner = optax.sgd(0.1, momentum=0.9)
 
-    # The reference: one device, one big batch per optimizer step.
-    local = jax.local_devices()[0]
-    ref = jax.device_put(params0, local)
-    ref_state = inner.init(ref)
-    for s in range(STEPS):
-      big = [
-        jax.device_put(a[s].reshape(-1, *a.shape[3:]), local)
-        for a in (x, y, mask)
-      ]
-      grad, _ = jax.grad(mean_loss, has_aux=True)(ref, *big)
-      updates, ref_state = inner.update(grad, ref_state, ref)
-      ref = optax.apply_updates(ref, updates)
+    ref = big_batch_reference(mean_loss, inner, params0, (x, y, mask))
 
     def global_batch(a, s, i, sharding=by_batch):
       """Micro-batch i of step s, each process filling only its shards."""
