@@ -24,7 +24,7 @@ ACCEL_STAMP := $(ACCEL)/.installed
 
 $(ACCEL_STAMP): $(STAMP)
 	rm -rf $(ACCEL)
-	$(PY) -m pip install --quiet --no-deps --target $(ACCEL) $$($(PY) -m optax_accum._targets)
+	$(PY) -m pip install --quiet --no-deps --target $(ACCEL) $$($(PY) -m optax_accum.targets)
 	touch $(ACCEL_STAMP)
 
 lint: $(STAMP)

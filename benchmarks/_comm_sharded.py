@@ -18,7 +18,7 @@ explicit mesh (the steps of ``bench_compiled.py``, engines ``fsdp``,
 "wire" is ``accumulate(reduce_dtype=...)``: the dtype the deferred reduction
 crosses devices in. Each step is compiled once (``every_k=8``) for each
 target, without a device for the accelerators, and read with
-``optax_accum.collectives``: a collective's bytes (per device) count ``k``
+``optax_accum.inspect.collectives``: a collective's bytes (per device) count ``k``
 times per optimizer step when it runs on every call, once in the emitting
 branch and ``k - 1`` times in a branch that holds. Each reduction is filed
 under the mesh axes its device groups span.

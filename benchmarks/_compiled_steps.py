@@ -4,7 +4,7 @@ and the compiler options of a case.
 
 ``Case`` names one step; :func:`build` gives ``(jitted step, arguments)``
 and :func:`compile_case` the compiled program, for the CPU or (without the
-device, through ``optax_accum._targets``) an accelerator target. Used by
+device, through ``optax_accum.targets``) an accelerator target. Used by
 ``bench_compiled.py``, ``_comm_sharded.py`` and the accelerator tests.
 """
 
@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _targets
+from optax_accum import targets
 
 # The "cpu" target's distributed engines run on 8 simulated devices (set
 # before the backend starts; the accelerator targets bring their own).
@@ -70,7 +70,7 @@ class Case:
   """One compiled step.
 
   Attributes:
-    target: ``"cpu"`` or a name of ``optax_accum._targets.TARGETS``.
+    target: ``"cpu"`` or a name of ``optax_accum.targets.TARGETS``.
     variant: one of :data:`VARIANTS`.
     apply: how the updates are applied (accumulate only): ``"optax"`` or
       ``"accum"`` (``optax_accum.apply_updates``).
@@ -146,7 +146,7 @@ def loss_fn(params, batch):
 def _devices(case: Case) -> int:
   if case.target == "cpu":
     return jax.device_count() if case.engine != "local" else 1
-  return _targets.TARGETS[case.target].devices
+  return targets.TARGETS[case.target].devices
 
 
 def _mesh(case: Case, explicit: bool = False):
@@ -155,7 +155,7 @@ def _mesh(case: Case, explicit: bool = False):
     names = SHARDED[case.engine][0]
     shape = (2, n // 2) if len(names) == 2 else (n,)
     if case.target != "cpu":
-      return _targets.mesh(case.target, shape, names, explicit=True)
+      return targets.mesh(case.target, shape, names, explicit=True)
     devices = np.asarray(jax.devices()[:n]).reshape(shape)
     types = (jax.sharding.AxisType.Explicit,) * len(names)
     return jax.sharding.Mesh(devices, names, axis_types=types)
@@ -163,7 +163,7 @@ def _mesh(case: Case, explicit: bool = False):
     devices = jax.devices()[:n]
     types = (jax.sharding.AxisType.Explicit,) if explicit else None
     return jax.sharding.Mesh(devices, (AXIS,), axis_types=types)
-  return _targets.mesh(case.target, (n,), (AXIS,), explicit=explicit)
+  return targets.mesh(case.target, (n,), (AXIS,), explicit=explicit)
 
 
 def _spec(mesh, shape, dtype, spec=None):
@@ -254,7 +254,9 @@ def _floor_step(case: Case, mesh):
     raise ValueError(f"no floor for engine {case.engine!r}")
   if case.engine in ("unreduced", "hsdp"):
     axis = REPLICA_AXIS if case.engine == "hsdp" else AXIS
-    grad_fn = optax_accum.local_value_and_grad(loss_fn, axis_name=axis)
+    grad_fn = optax_accum.distributed.local_value_and_grad(
+      loss_fn, axis_name=axis
+    )
     parts = (FSDP_AXIS,) if case.engine == "hsdp" else ()
     acc = jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(
@@ -317,9 +319,11 @@ def build(case: Case):
   shapes = jax.tree.map(
     lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params
   )
-  specs = optax_accum.shard_map_specs(jax.eval_shape(tx.init, shapes), AXIS)
+  specs = optax_accum.distributed.shard_map_specs(
+    jax.eval_shape(tx.init, shapes), AXIS
+  )
   init = jax.shard_map(
-    lambda p: optax_accum.add_device_axis(tx.init(p)),
+    lambda p: optax_accum.distributed.add_device_axis(tx.init(p)),
     mesh=mesh,
     in_specs=P(),
     out_specs=specs,
@@ -328,9 +332,9 @@ def build(case: Case):
 
   def body(params, state, batch, weight):
     grads = jax.grad(loss_fn)(lax.pcast(params, AXIS, to="varying"), batch)
-    state = optax_accum.drop_device_axis(state)
+    state = optax_accum.distributed.drop_device_axis(state)
     params, state = _update_and_apply(case, tx, grads, state, params, weight)
-    return params, optax_accum.add_device_axis(state)
+    return params, optax_accum.distributed.add_device_axis(state)
 
   step = jax.shard_map(
     body,
@@ -353,7 +357,7 @@ def _sharded_step(case: Case, mesh, tx, params, batch, weight, deferred):
   deferred to the emitting call), FSDP reducing every call, or 1-D FSDP
   deferred; ``plain``: FSDP over every device, reduced on every call."""
   with jax.set_mesh(mesh):
-    shardings = optax_accum.state_shardings(tx, params)
+    shardings = optax_accum.distributed.state_shardings(tx, params)
   state = jax.tree.map(
     lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
     jax.eval_shape(tx.init, params),
@@ -362,7 +366,9 @@ def _sharded_step(case: Case, mesh, tx, params, batch, weight, deferred):
   if case.variant == "plain" or deferred is None:
     grad_fn = jax.value_and_grad(loss_fn)
   else:
-    grad_fn = optax_accum.local_value_and_grad(loss_fn, axis_name=deferred)
+    grad_fn = optax_accum.distributed.local_value_and_grad(
+      loss_fn, axis_name=deferred
+    )
 
   def step(params, state, batch, weight):
     _, grads = grad_fn(params, batch)

@@ -13,14 +13,14 @@ every micro-batch), ``k`` micro-batches per optimizer step, four recipes:
   ``accumulate(inner, k, axis_name="data")``: one reduction per step, in the
   conditional branch that emits the update;
 * ``jit_unreduced``: plain ``jit`` on a mesh whose ``data`` axis is
-  ``AxisType.Explicit``; ``optax_accum.local_value_and_grad`` gives each
+  ``AxisType.Explicit``; ``optax_accum.distributed.local_value_and_grad`` gives each
   device's gradient typed unreduced over ``data`` and the same
   ``accumulate(inner, k, axis_name="data")`` reduces once per step, in the
   emitting branch. The helper also all-reduces the loss and the token
   count (8 bytes) every call: the all-reduces under 1 KiB are counted apart.
 
 Bytes come from the compiled micro-step, read by
-``optax_accum._collectives.collectives``: each all-reduce's payload (bytes
+``optax_accum.inspect.collectives``: each all-reduce's payload (bytes
 per device) counts ``k`` times per optimizer step when it runs on every
 call, once when it sits in the emitting branch of a conditional, and
 ``k - 1`` times in the branch that holds. A ring all-reduce moves about
@@ -88,7 +88,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 import optax_accum
-from optax_accum import collectives
+from optax_accum.inspect import collectives
 
 RECIPES = ("gspmd", "psum_each", "axis_name", "jit_unreduced")
 BASELINE = "psum_each"
@@ -169,7 +169,7 @@ def make_recipe(recipe: str, k: int, problem: Problem):
   params = jax.device_put(problem.params, NamedSharding(mesh, P()))
   if recipe == "jit_unreduced":
     tx = optax_accum.accumulate(inner, k, axis_name="data")
-    grad_fn = optax_accum.local_value_and_grad(loss)
+    grad_fn = optax_accum.distributed.local_value_and_grad(loss)
 
     def unreduced_step(params, state, x, y):
       _, grads = grad_fn(params, x, y)  # typed unreduced over "data"
@@ -188,7 +188,7 @@ def make_recipe(recipe: str, k: int, problem: Problem):
       return optax.apply_updates(params, updates), state
 
     state = jax.jit(
-      tx.init, out_shardings=optax_accum.state_shardings(tx, params)
+      tx.init, out_shardings=optax_accum.distributed.state_shardings(tx, params)
     )(params)
     return jax.jit(gspmd_step, donate_argnums=(0, 1)), params, state
 
@@ -196,10 +196,12 @@ def make_recipe(recipe: str, k: int, problem: Problem):
   tx = optax_accum.accumulate(inner, k, axis_name="data" if deferred else None)
   if deferred:
     # The library owns the layout: the running sums are each device's own.
-    specs = optax_accum.shard_map_specs(jax.eval_shape(tx.init, params), "data")
+    specs = optax_accum.distributed.shard_map_specs(
+      jax.eval_shape(tx.init, params), "data"
+    )
     to_local, to_global = (
-      optax_accum.drop_device_axis,
-      optax_accum.add_device_axis,
+      optax_accum.distributed.drop_device_axis,
+      optax_accum.distributed.add_device_axis,
     )
   else:
     # A gradient reduced every micro-batch: the whole state is the same on

@@ -1,9 +1,9 @@
 """Compiled steps for CPU, an H100 and a TPU v5e, read without the devices.
 
 Each variant's micro-step and emitting call is compiled ahead of time for
-the target (``optax_accum._targets``: the CUDA plugin and libtpu compile for
+the target (``optax_accum.targets``: the CUDA plugin and libtpu compile for
 an H100 or a TPU slice on a machine that has neither) and read from the
-compiled program (``optax_accum._program``): conditionals kept, whether an
+compiled program (``tools/program.py``): conditionals kept, whether an
 optimizer op runs on every call, the kernels a micro-step and an emitting
 call run and their bytes, parameter-sized copies, whether each
 weight-gradient GEMM adds into the accumulator itself, compiled memory, the
@@ -37,10 +37,14 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from optax_accum import _collectives as _collectives_lib
-from optax_accum import _hlo, _program, _targets
+from optax_accum import targets
+from optax_accum.inspect import _collectives as _collectives_lib
+from optax_accum.inspect import _hlo
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+# The repository's tools (not shipped) and this folder's helpers.
+sys.path[:0] = [
+  str(pathlib.Path(__file__).resolve().parents[i]) for i in (0, 1)
+]
 import _common  # noqa: E402
 from _compiled_steps import (  # noqa: E402
   ADAM_OPS,
@@ -54,6 +58,8 @@ from _compiled_steps import (  # noqa: E402
   param_bytes,
 )
 
+from tools import program as program_reader  # noqa: E402
+
 # ----------------------------------------------------------------------------
 # What the compiled program says.
 # ----------------------------------------------------------------------------
@@ -62,12 +68,12 @@ from _compiled_steps import (  # noqa: E402
 def measure(case: Case) -> dict[str, Any]:
   """The facts of `case`'s compiled step, as JSON-able values."""
   on_gpu = (
-    case.target != "cpu" and _targets.TARGETS[case.target].platform == "cuda"
+    case.target != "cpu" and targets.TARGETS[case.target].platform == "cuda"
   )
   with tempfile.TemporaryDirectory() as dump:
     compiled = compile_case(case, dump if on_gpu else None)
-    thunks = _program.thunk_sequence(dump) if on_gpu else ""
-  program = _program.Program(compiled)
+    thunks = program_reader.thunk_sequence(dump) if on_gpu else ""
+  program = program_reader.Program(compiled)
   leaf = case.width**2 * jnp.dtype(DTYPES[case.dtype]).itemsize
   wgrad = (
     f"{'f32' if case.dtype == 'f32' else 'bf16'}[{case.width},{case.width}]"
@@ -79,14 +85,14 @@ def measure(case: Case) -> dict[str, Any]:
     "adam_every_call": bool(program.runs_every_call(ADAM_OPS)),
     "bytes": {
       path: program.kernel_bytes(path)
-      for path in (_program.MICRO_STEP, _program.EMITTING)
+      for path in (program_reader.MICRO_STEP, program_reader.EMITTING)
     },
     "copies": {
       path: [
         [k.name, k.result_bytes]
         for k in program.copies(path, min_bytes=leaf // 2)
       ]
-      for path in (_program.MICRO_STEP, _program.EMITTING)
+      for path in (program_reader.MICRO_STEP, program_reader.EMITTING)
     },
     "held": [
       [k.name, k.result_bytes] for k in program.held(min_bytes=leaf // 2)
@@ -104,7 +110,7 @@ def measure(case: Case) -> dict[str, Any]:
   if not facts["conditionals"]:  # Where the reductions start.
     facts["overlap"] = program.overlap(wgrad, min_bytes=leaf // 2)
   if on_gpu:
-    total, inside = _program.conditionals_in_command_buffers(thunks)
+    total, inside = program_reader.conditionals_in_command_buffers(thunks)
     facts["command_buffer"] = {"conditionals": total, "inside": inside}
   return facts
 
@@ -130,9 +136,11 @@ def collectives_with_axes(case: Case, compiled) -> list[dict[str, Any]]:
   ]
 
 
-def ratio(facts: dict, floor: dict, path: str = _program.MICRO_STEP) -> float:
+def ratio(
+  facts: dict, floor: dict, path: str = program_reader.MICRO_STEP
+) -> float:
   """Kernel bytes of a call of `facts` over the floor's."""
-  return facts["bytes"][path] / floor["bytes"][_program.MICRO_STEP]
+  return facts["bytes"][path] / floor["bytes"][program_reader.MICRO_STEP]
 
 
 def extra_memory(facts: dict, plain: dict) -> float:
@@ -183,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     "--targets",
     default="cpu,h100,h100x8,v5e_2x2",
     type=_common.csv_list(),
-    help="cpu and/or names of optax_accum._targets.TARGETS",
+    help="cpu and/or names of optax_accum.targets.TARGETS",
   )
   parser.add_argument("--width", type=int, default=2048)
   parser.add_argument("--layers", type=int, default=4)

@@ -7,7 +7,7 @@ moments would each cost a full copy of the params on every device. The
 recipe:
 
 1. put the params with a ``NamedSharding`` per leaf;
-2. ``shardings = optax_accum.state_shardings(tx, params)``: the accumulator,
+2. ``shardings = optax_accum.distributed.state_shardings(tx, params)``: the accumulator,
    ``mu`` and ``nu`` like their params, counters replicated;
 3. ``jax.jit(tx.init, out_shardings=shardings)``: a jitted ``init`` does
    not see the params' shardings by itself (its zeros do not depend on the
@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
   inner = optax.adam(1e-2)
   tx = optax_accum.accumulate(inner, args.every_k)
-  state_shardings = optax_accum.state_shardings(tx, params)
+  state_shardings = optax_accum.distributed.state_shardings(tx, params)
   state = jax.jit(tx.init, out_shardings=state_shardings)(params)
   print(f"{n_dev} devices, k={args.every_k}")
   print_layout(params, state)

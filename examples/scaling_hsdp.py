@@ -4,7 +4,7 @@ replicas once per optimizer step.
 A ``("replica", "fsdp")`` mesh whose axes are ``AxisType.Explicit``: the
 params are sharded over ``"fsdp"`` (inside a slice or host, the fast links)
 and replicated over ``"replica"`` (across slices or hosts, the slow ones).
-:func:`optax_accum.local_value_and_grad` with ``axis_name="replica"``
+:func:`optax_accum.distributed.local_value_and_grad` with ``axis_name="replica"``
 returns each micro-batch's gradient reduce-scattered over ``"fsdp"`` (what
 FSDP does anyway) and unreduced over ``"replica"``;
 ``optax_accum.accumulate(adam, k, axis_name="replica")`` holds one shard of
@@ -75,7 +75,7 @@ def make_batch(key: jax.Array, rows: int) -> dict:
   }
 
 
-def axes_of(op: optax_accum.Collective, mesh: jax.sharding.Mesh) -> str:
+def axes_of(op: optax_accum.inspect.Collective, mesh: jax.sharding.Mesh) -> str:
   """The mesh axes a collective's device groups span (jit's device ids are
   positions in mesh.devices.flat)."""
   shape = mesh.devices.shape
@@ -95,7 +95,7 @@ def run(steps: int, every_k: int, replicas: int, lr: float) -> float:
   )
   inner = optax.adam(lr)
   tx = optax_accum.accumulate(inner, every_k, axis_name="replica")
-  grad_fn = optax_accum.local_value_and_grad(
+  grad_fn = optax_accum.distributed.local_value_and_grad(
     token_loss, axis_name="replica", has_weight=True
   )
 
@@ -128,7 +128,7 @@ def run(steps: int, every_k: int, replicas: int, lr: float) -> float:
       params, state = step(params, state, batch)
 
   print("collectives of one call (bytes per device, mesh axes spanned):")
-  for op in optax_accum.collectives(compiled):
+  for op in optax_accum.inspect.collectives(compiled):
     where = (
       "every call"
       if op.unconditional
@@ -139,7 +139,7 @@ def run(steps: int, every_k: int, replicas: int, lr: float) -> float:
     print(f"  {op.opcode:15s} {op.bytes:7d}  {where:10s}  {axes_of(op, mesh)}")
   # Raises if a reduction across "replica" of >= 64 bytes (the smallest
   # gradient shard here) runs outside the emitting branch.
-  optax_accum.assert_reduction_deferred(
+  optax_accum.inspect.assert_reduction_deferred(
     compiled, axis_name="replica", mesh=mesh, min_bytes=64
   )
 

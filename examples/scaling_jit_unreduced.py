@@ -2,7 +2,7 @@
 
 Data parallelism with ``jax.jit`` on a mesh whose ``data`` axis is
 ``AxisType.Explicit``, no ``shard_map`` in sight. Each micro-step computes
-every device's local gradient with :func:`optax_accum.local_value_and_grad`,
+every device's local gradient with :func:`optax_accum.distributed.local_value_and_grad`,
 typed unreduced over ``data`` (no communication), and hands it to
 ``optax_accum.accumulate(adam, k, axis_name="data")``, whose accumulator
 stays unreduced in the optimizer state across jitted calls. The call that
@@ -93,7 +93,7 @@ def run(steps: int, every_k: int, micro_batch: int, lr: float) -> float:
   ]
   # Each device's gradient, typed unreduced over AXIS, and the micro-batch's
   # global token count as its weight.
-  grad_fn = optax_accum.local_value_and_grad(
+  grad_fn = optax_accum.distributed.local_value_and_grad(
     token_loss, axis_name=AXIS, has_weight=True
   )
 
@@ -112,10 +112,10 @@ def run(steps: int, every_k: int, micro_batch: int, lr: float) -> float:
       params, state = step(params, state, batch)
     print("accumulator:", jax.typeof(state.acc_grads["w"]))
 
-  ops = optax_accum.collectives(compiled)
+  ops = optax_accum.inspect.collectives(compiled)
   param_bytes = sum(4 * p.size for p in jax.tree.leaves(params0))
   print(f"{n} devices, k={every_k}, params {param_bytes} bytes")
-  print(optax_accum.format_collectives(ops))
+  print(optax_accum.inspect.format_collectives(ops))
   every_call = [o for o in ops if o.opcode == "all-reduce" and o.unconditional]
   emitting = [o for o in ops if o.opcode == "all-reduce" and o.emitting]
   print(
@@ -125,7 +125,7 @@ def run(steps: int, every_k: int, micro_batch: int, lr: float) -> float:
     f" ({sum(o.bytes for o in emitting)} bytes)"
   )
   # Raises if a reduction of >= 1 KiB runs outside the emitting branch.
-  optax_accum.assert_reduction_deferred(compiled)
+  optax_accum.inspect.assert_reduction_deferred(compiled)
 
   # Reference: one big batch of every_k micro-batches per step, one device.
   ref_params, ref_state = params0, inner.init(params0)

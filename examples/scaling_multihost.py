@@ -185,19 +185,21 @@ def train(args) -> float:
     grads, tokens = jax.grad(loss_fn, has_aux=True)(
       lax.pcast(params, AXIS, to="varying"), x, y, mask
     )
-    state = optax_accum.drop_device_axis(state)
+    state = optax_accum.distributed.drop_device_axis(state)
     updates, state = tx.update(grads, state, params, weight=tokens)
-    state = optax_accum.add_device_axis(state)
+    state = optax_accum.distributed.add_device_axis(state)
     return optax_accum.apply_updates(params, updates, state), state
 
   params0 = {
     "w": np.zeros((DIM, OUT), np.float32),
     "b": np.zeros(OUT, np.float32),
   }
-  specs = optax_accum.shard_map_specs(jax.eval_shape(tx.init, params0), AXIS)
+  specs = optax_accum.distributed.shard_map_specs(
+    jax.eval_shape(tx.init, params0), AXIS
+  )
   init = jax.jit(
     jax.shard_map(
-      lambda p: optax_accum.add_device_axis(tx.init(p)),
+      lambda p: optax_accum.distributed.add_device_axis(tx.init(p)),
       mesh=mesh,
       in_specs=P(),
       out_specs=specs,

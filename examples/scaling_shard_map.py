@@ -12,8 +12,8 @@ times as many bytes.
 The state layout. Between steps the state lives outside ``shard_map`` as
 global arrays. The leaves holding this device's own sums during a cycle get
 a leading device axis (spec ``P("data")``); every other leaf is the same on
-every device (``P()``). ``optax_accum.shard_map_specs`` gives these specs,
-and ``optax_accum.add_device_axis`` / ``drop_device_axis`` convert inside
+every device (``P()``). ``optax_accum.distributed.shard_map_specs`` gives these specs,
+and ``optax_accum.distributed.add_device_axis`` / ``drop_device_axis`` convert inside
 ``shard_map``: nothing here needs to know which fields are which.
 
 Run it to see the specs, train a token-weighted linear model for a few steps
@@ -54,7 +54,7 @@ def loss_fn(params, x, y, mask):
 def make_init(tx, mesh, params):
   return jax.jit(
     jax.shard_map(
-      lambda params: optax_accum.add_device_axis(tx.init(params)),
+      lambda params: optax_accum.distributed.add_device_axis(tx.init(params)),
       mesh=mesh,
       in_specs=P(),
       out_specs=state_specs(tx, params),
@@ -64,7 +64,9 @@ def make_init(tx, mesh, params):
 
 def state_specs(tx, params):
   """The PartitionSpecs of the state between steps (a prefix of its tree)."""
-  return optax_accum.shard_map_specs(jax.eval_shape(tx.init, params), AXIS)
+  return optax_accum.distributed.shard_map_specs(
+    jax.eval_shape(tx.init, params), AXIS
+  )
 
 
 def make_train_step(tx, mesh, params):
@@ -80,13 +82,13 @@ def make_train_step(tx, mesh, params):
     )
     # The local gradient is a mean over this device's tokens: weigh it by
     # them, and the emitted update is the mean over every token of the step.
-    state = optax_accum.drop_device_axis(state)
+    state = optax_accum.distributed.drop_device_axis(state)
     updates, state = tx.update(grads, state, params, weight=tokens)
     # The params are untouched until the cycle ends (optax.apply_updates
     # would read and write them to add zeros).
     params = optax_accum.apply_updates(params, updates, state)
     # Per-device loss sums; added up on the host, no collective needed.
-    state = optax_accum.add_device_axis(state)
+    state = optax_accum.distributed.add_device_axis(state)
     return params, state, (loss * tokens)[None], tokens[None]
 
   return jax.jit(

@@ -13,7 +13,7 @@ the step should need no memory beyond the accumulator. So:
    ``acc + grad`` into the GEMM that makes each weight gradient, which it
    does only for an accumulator that is a parameter of the step;
 2. one conditional decides on the device whether the call ends the cycle
-   (``_vma.cond``: an integer switch whose branch 0 holds, so that no
+   (``_control.cond``: an integer switch whose branch 0 holds, so that no
    compiler turns it into selects or copies what it passes through). Its
    emitting branch runs the inner optimizer and writes the updates into the
    accumulator's buffer; the holding branch passes everything through;
@@ -54,12 +54,12 @@ from jax import lax
 from optax_accum import (
   _apply,
   _checks,
-  _engine,
+  _control,
+  _engines,
   _every_k,
   _noise_scale,
+  _tree,
   _unreduced,
-  _vma,
-  _weighting,
 )
 from optax_accum._noise_scale import NoiseStats
 from optax_accum._state import AccumulateState, NoiseScaleState
@@ -225,7 +225,7 @@ def _gradient_params(params: optax.Params) -> optax.Params:
 
 
 def _zeros_like_param(
-  param: Any, accumulator_dtype: Any, engine: _engine.Engine
+  param: Any, accumulator_dtype: Any, engine: _engines.Engine
 ) -> jax.Array:
   """A zero accumulator leaf placed like `param`.
 
@@ -233,7 +233,7 @@ def _zeros_like_param(
   without a device) gives an uncommitted accumulator, as optax's own states.
   Under ``jit`` an explicit-axes mesh puts the sharding in the tracer's type
   and ``zeros_like`` keeps it; with auto axes pass
-  ``out_shardings=optax_accum.state_shardings(tx, params)`` to ``jit``.
+  ``out_shardings=optax_accum.distributed.state_shardings(tx, params)`` to ``jit``.
   """
   dtype = _checks.leaf_accumulator_dtype(
     accumulator_dtype, jnp.result_type(param)
@@ -369,7 +369,7 @@ def _check_flush(flush: Any) -> jax.Array:
 
 
 def _check_noise_stats(
-  config: _Config, engine: _engine.Engine, noise_stats: Any
+  config: _Config, engine: _engines.Engine, noise_stats: Any
 ) -> NoiseStats | None:
   """`noise_stats` where the engine needs them; raises naming them."""
   if noise_stats is None:
@@ -379,7 +379,7 @@ def _check_noise_stats(
         f" gradients unreduced over {config.axis_name!r} under plain"
         " `jax.jit`: the unreduced gradient hides each device's own"
         " gradient and token count. Make the gradients with"
-        " `optax_accum.local_value_and_grad(..., noise_stats=True)` and"
+        " `optax_accum.distributed.local_value_and_grad(..., noise_stats=True)` and"
         " pass its stats as `update(..., noise_stats=stats)`."
       )
     return None
@@ -397,7 +397,7 @@ def _check_noise_stats(
     )
   if not isinstance(noise_stats, NoiseStats):
     raise TypeError(
-      "`noise_stats` must be the optax_accum.NoiseStats returned by"
+      "`noise_stats` must be the optax_accum.distributed.NoiseStats returned by"
       " `local_value_and_grad(..., noise_stats=True)`, got"
       f" {type(noise_stats).__name__}."
     )
@@ -436,7 +436,7 @@ class _MicroBatch(NamedTuple):
 
 def _accept(
   config: _Config,
-  engine: _engine.Engine,
+  engine: _engines.Engine,
   grads: Any,
   weight: jax.Array | None,
   flush: jax.Array,
@@ -458,7 +458,7 @@ def _accept(
     # A zero-weight micro-batch (e.g. the 0/0 mean of an all-padding
     # micro-batch) counts toward k and contributes nothing, NaN or not.
     accepted = jnp.isfinite(weight) & (grads_finite | (weight == 0))
-  if engine.kind == _engine.SHARD_MAP:
+  if engine.kind == _engines.SHARD_MAP:
     # Replicas must agree on what is skipped and on when a cycle ends
     # (under plain jit, the unreduced engine's scalars are global already),
     # and so must the devices holding shards of one replica's gradient
@@ -473,7 +473,9 @@ def _accept(
 def _agreed(reduce: Callable, flag: jax.Array, axis_name: Any) -> jax.Array:
   """`flag` reduced with `reduce` over `axis_name` and every other manual
   axis it varies over: the same on every device of the step."""
-  axes = _vma.axis_names(axis_name) | _vma.varying_axes(jax.typeof(flag))
+  axes = _control.axis_names(axis_name) | _control.varying_axes(
+    jax.typeof(flag)
+  )
   return reduce(flag.astype(jnp.int32), tuple(sorted(axes, key=str))) > 0
 
 
@@ -485,7 +487,7 @@ def _add_leaf(acc, g, *, keep, weight, engine):
   (XLA:GPU fuses ``acc + f(dot)`` where `acc` is a parameter of the step,
   not ``f(acc) + dot``).
   """
-  compute = _weighting.compute_dtype(acc.dtype)
+  compute = _tree.compute_dtype(acc.dtype)
   term = jnp.asarray(g).astype(compute)
   if weight is not None:
     term = engine.scale(term, weight)
@@ -502,7 +504,7 @@ def _per_backend(*args: Any, cpu: Callable, accelerator: Callable) -> Any:
   return lax.platform_dependent(*args, cpu=cpu, default=accelerator)
 
 
-def _cycle_start(engine: _engine.Engine, state: AccumulateState):
+def _cycle_start(engine: _engines.Engine, state: AccumulateState):
   """The sums a call adds into, per backend (design point 5).
 
   Compiled for GPU or TPU, the accumulator is the state's own, untouched,
@@ -537,7 +539,7 @@ def _cycle_start(engine: _engine.Engine, state: AccumulateState):
 
 def _add(
   config: _Config,
-  engine: _engine.Engine,
+  engine: _engines.Engine,
   state: AccumulateState,
   micro: _MicroBatch,
 ) -> tuple[Any, jax.Array]:
@@ -586,10 +588,10 @@ def _add_noise(
 def _enters_emitting_branch(
   cycle_end: jax.Array,
   total_weight: jax.Array,
-  engine: _engine.Engine,
+  engine: _engines.Engine,
   plan: "_Plan",
 ) -> jax.Array:
-  if engine.kind == _engine.LOCAL and plan.reuse_buffer:
+  if engine.kind == _engines.LOCAL and plan.reuse_buffer:
     # A weightless cycle skips the branch (a NaN total still enters, so
     # that the NaN reaches `inner`); the closing conditional zeroes it.
     return cycle_end & ~(total_weight <= 0)
@@ -627,7 +629,7 @@ def _holds_exactly(wide: Any, narrow: Any) -> bool:
   return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp
 
 
-def _reduced_specs(engine: _engine.Engine, acc: Any, params: Any) -> Any:
+def _reduced_specs(engine: _engines.Engine, acc: Any, params: Any) -> Any:
   """Where the unreduced engine's one reduction puts each leaf."""
   if not engine.unreduced:
     return None
@@ -640,7 +642,7 @@ def _reduced_specs(engine: _engine.Engine, acc: Any, params: Any) -> Any:
 
 def _plan(
   config: _Config,
-  engine: _engine.Engine,
+  engine: _engines.Engine,
   inner: optax.GradientTransformationExtraArgs,
   extra_args: dict,
   grads: Any,
@@ -678,7 +680,7 @@ def _plan(
   # buffer cannot hold both types.
   # Nor with the unreduced engine: the accumulator is unreduced, the
   # updates are not.
-  varies = engine.kind == _engine.SHARD_MAP and _vma.varies_over(
+  varies = engine.kind == _engines.SHARD_MAP and _control.varies_over(
     acc, config.axis_name
   )
   reuse = fits and not varies and not engine.unreduced
@@ -736,14 +738,14 @@ def _local_mean_sq_norm(enter: jax.Array, acc: Any, total_weight: jax.Array):
   (design point 2), so XLA would copy the whole accumulator in the holding
   branch on every call.
   """
-  return _vma.cond(enter, _mean_sq_norm, _no_sq_norm, acc, total_weight)
+  return _control.cond(enter, _mean_sq_norm, _no_sq_norm, acc, total_weight)
 
 
 def _mean_gradient(acc: Any, inv_weight: jax.Array, plan: _Plan, reduction):
   """The gradient handed to `inner`, in the gradients' own dtypes."""
 
   def mean_leaf(a, g):
-    compute = _weighting.compute_dtype(a.dtype)
+    compute = _tree.compute_dtype(a.dtype)
     if reduction == "mean":
       # A multiply, not a divide: XLA duplicates a cheap elementwise op into
       # every consumer fusion of the inner optimizer, but materialises a
@@ -781,7 +783,7 @@ def _reduce(config, engine, plan, acc, weight, noise, per_leaf):
       per_leaf,
     )
     return jax.tree.map(lambda a, d: a.astype(d), acc, kept), weight, noise
-  if engine.kind == _engine.SHARD_MAP:
+  if engine.kind == _engines.SHARD_MAP:
     scalars = (weight,)
     if config.track_noise_scale:  # The count as float32, to join the sum.
       scalars += (noise.sq_norm_sum, noise.count.astype(jnp.float32))
@@ -812,15 +814,15 @@ def _cleared_after_reduction(engine, acc, total, cycle_end):
 
   def leaf(a, t):
     zeros = jnp.where(cycle_end, jnp.zeros([], t.dtype), t)
-    if engine.kind == _engine.SHARD_MAP:
-      return _vma.vary_over(zeros, _vma.varying_axes(jax.typeof(a)))
+    if engine.kind == _engines.SHARD_MAP:
+      return _control.vary_over(zeros, _control.varying_axes(jax.typeof(a)))
     if engine.unreduced:
       typed = _unreduced.unreduced_like(zeros, a, engine.axis_name)
       if typed is not None:
         return typed.astype(a.dtype)
     return engine.select(cycle_end, engine.zero(a), a)  # shapes differ
 
-  if engine.kind == _engine.LOCAL:
+  if engine.kind == _engines.LOCAL:
     return _cleared(engine, acc, cycle_end)
   return jax.tree.map(leaf, acc, total)
 
@@ -891,7 +893,7 @@ def _emission(config, engine, tx, plan, extra_args, cycle: _Cycle, static):
     ``(updates, inner_state, emitted, weight, noise, total)``, with the
     cycle's global weight and noise-scale sums, and its reduced sum.
   """
-  checked = not static and engine.kind == _engine.LOCAL and plan.reuse_buffer
+  checked = not static and engine.kind == _engines.LOCAL and plan.reuse_buffer
   acc, weight, noise = _reduce(
     config, engine, plan, cycle.acc, cycle.weight, cycle.noise, static
   )
@@ -964,7 +966,7 @@ def _hold(plan, cycle: _Cycle) -> _Branch:
   )
 
 
-def _cleared(engine: _engine.Engine, acc: Any, cycle_end: jax.Array) -> Any:
+def _cleared(engine: _engines.Engine, acc: Any, cycle_end: jax.Array) -> Any:
   """Zeros in place of `acc` (`cycle_end` is true where this runs).
 
   A select that reads `acc`, not constant zeros: XLA merges equal constants
@@ -983,7 +985,7 @@ def _applied(plan: _Plan, params: Any, out: Any) -> Any:
 
 
 def _close_cycle(
-  engine: _engine.Engine,
+  engine: _engines.Engine,
   plan: _Plan,
   params: Any,
   out: Any,
@@ -1017,11 +1019,11 @@ def _close_cycle(
     return params, _cleared(engine, out, cycle_end)
 
   def on_accelerator(params, out):
-    return _vma.cond(cycle_end, close, keep, params, out)
+    return _control.cond(cycle_end, close, keep, params, out)
 
   def on_cpu(params, out):
     if params is not None:
-      params = _vma.cond(
+      params = _control.cond(
         emitted,
         functools.partial(_applied, plan),
         lambda params, out: params,
@@ -1076,9 +1078,9 @@ def _traced_end(config, engine, inner, plan, extra_args, cycle) -> _End:
     cycle = cycle._replace(
       mean_sq=_local_mean_sq_norm(enter, cycle.acc, cycle.weight)
     )
-  # _vma.cond is lax.switch, with lax.cond's arguments, that varies its
+  # _control.cond is lax.switch, with lax.cond's arguments, that varies its
   # outputs over the shard_map axes its operands vary over.
-  branch = _vma.cond(
+  branch = _control.cond(
     enter,
     functools.partial(_emit, config, engine, inner, plan, extra_args),
     functools.partial(_hold, plan),
@@ -1241,7 +1243,7 @@ def _update(
     None if weight is None else _check_weight(weight, config.skip_nonfinite)
   )
   checked_flush = _check_flush(flush)
-  engine = _engine.for_update(config.axis_name, updates, state.acc_grads)
+  engine = _engines.for_update(config.axis_name, updates, state.acc_grads)
   noise_stats = _check_noise_stats(config, engine, noise_stats)
   inner = config.inner(state.every_k)
   if _passes_through(config, weight, flush, emit):
@@ -1269,7 +1271,7 @@ def _update(
     noise_stats,
     state.micro_step == 0,
     config.gradients == "sum",
-    config.axis_name if engine.kind == _engine.SHARD_MAP else None,
+    config.axis_name if engine.kind == _engines.SHARD_MAP else None,
   )
   plan = _plan(
     config, engine, inner, extra_args, updates, acc, state.inner_state, params
@@ -1297,7 +1299,7 @@ def _update(
 
 
 def _init(config: _Config, params: optax.Params) -> AccumulateState:
-  engine = _engine.for_init(config.axis_name, params)
+  engine = _engines.for_init(config.axis_name, params)
   zeros = functools.partial(
     _zeros_like_param,
     accumulator_dtype=config.accumulator_dtype,
@@ -1458,11 +1460,11 @@ def accumulate(
       where ``init`` and ``update`` are traced. Where the axis is bound
       (``shard_map``, ``pmap``, a named ``vmap``), pass each device's local
       gradient and its own ``weight``; gradients, weights and skips are
-      summed with ``psum`` (see :func:`optax_accum.shard_map_specs` for the
+      summed with ``psum`` (see :func:`optax_accum.distributed.shard_map_specs` for the
       state's layout). Under plain ``jax.jit`` (or eagerly) with a mesh set
       by ``jax.set_mesh`` whose axis is ``AxisType.Explicit``, pass
       gradients typed unreduced over it (from
-      :func:`optax_accum.local_value_and_grad`) and the micro-batch's global
+      :func:`optax_accum.distributed.local_value_and_grad`) and the micro-batch's global
       ``weight``; ``init`` under that mesh gives unreduced accumulators and
       the emitting call reduces them once, to the params' sharding.
     track_noise_scale: Also estimate the gradient noise scale (a few scalars

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum import _vma
+from optax_accum import _control
 from optax_accum._state import find_state
 
 
@@ -147,4 +147,4 @@ def apply_updates(
   emitted = jnp.asarray(state.emitted if record is None else record.emitted)
   if not _is_tracer(emitted):
     return optax.apply_updates(params, updates) if bool(emitted) else params
-  return _vma.cond(emitted, optax.apply_updates, _keep, params, updates)
+  return _control.cond(emitted, optax.apply_updates, _keep, params, updates)

@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 
-from optax_accum import _checks, _weighting
+from optax_accum import _checks, _tree
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -85,7 +85,7 @@ def _micro_batch(split: Any, index: Any) -> Any:
 
 # ----------------------------------------------------------------------------
 # The weight of a micro-batch. Dtypes throughout are chosen explicitly
-# (`_weighting.compute_dtype`, `_checks.leaf_accumulator_dtype`), never by
+# (`_tree.compute_dtype`, `_checks.leaf_accumulator_dtype`), never by
 # `jnp.promote_types`, which raises under
 # `jax_numpy_dtype_promotion="strict"` for bfloat16 with float32; every
 # operation is between operands of one dtype (or a Python scalar).
@@ -170,14 +170,14 @@ def _not_carried(shape: jax.ShapeDtypeStruct, dtype: Any) -> None:
 
 
 def _add_weighted(acc: jax.Array, value: Any, weight: Any) -> tuple:
-  compute = _weighting.compute_dtype(acc.dtype)
-  term = _weighting.weighted_term(value, weight, compute)
+  compute = _tree.compute_dtype(acc.dtype)
+  term = _tree.weighted_term(value, weight, compute)
   return (acc.astype(compute) + term).astype(acc.dtype), None
 
 
 def _weighted_mean(acc: jax.Array, emitted: Any, shape: Any, total: _Total):
   del emitted
-  compute = _weighting.compute_dtype(acc.dtype)
+  compute = _tree.compute_dtype(acc.dtype)
   acc = acc.astype(compute)
   if total.weighted:
     mean = jnp.where(total.positive, acc / total.safe_weight.astype(compute), 0)
@@ -242,7 +242,7 @@ def _plan(out_shape: Any, accumulator_dtype: Any) -> list[_Leaf]:
   for shape in jax.tree.leaves(out_shape[0]):
     reduction, dtype = _reduction(shape.dtype), shape.dtype
     if reduction is _MEAN:
-      dtype = _weighting.compute_dtype(dtype)
+      dtype = _tree.compute_dtype(dtype)
     plan.append(_Leaf(reduction, dtype, shape))
   for path, shape in jax.tree_util.tree_flatten_with_path(out_shape[1])[0]:
     reduction, dtype = _reduction(shape.dtype), shape.dtype

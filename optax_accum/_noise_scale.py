@@ -27,7 +27,7 @@ With ``axis_name`` every device's share of a micro-batch is one of the
 :math:`m` samples. Inside ``shard_map`` each device measures its own
 :math:`w_d |g_d|^2`. Under plain ``jit`` the accumulator only sees each
 device's :math:`(n_d / N)\\, g_d` inside a gradient typed unreduced, never
-:math:`n_d`, so :func:`optax_accum.local_value_and_grad` measures the
+:math:`n_d`, so :func:`optax_accum.distributed.local_value_and_grad` measures the
 shares where they are known and hands their sums over as
 :class:`NoiseStats`. A micro-batch given weight :math:`w` whose shares carry
 :math:`n_d` (:math:`\\sum_d n_d = N`) has its shares weighted
@@ -42,14 +42,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_accum import _vma
+from optax_accum import _control
 from optax_accum._state import NoiseScaleState, find_state
 
 
 class NoiseStats(NamedTuple):
   """One micro-batch's noise-scale sums over the devices' shares of it.
 
-  Made by ``optax_accum.local_value_and_grad(..., noise_stats=True)`` and
+  Made by ``optax_accum.distributed.local_value_and_grad(..., noise_stats=True)`` and
   passed on as ``update(..., noise_stats=stats)`` to
   ``accumulate(..., axis_name=..., track_noise_scale=True)`` under plain
   ``jit``, where the accumulator sees neither a device's own gradient nor
@@ -107,7 +107,7 @@ def sq_norm(tree: Any, scale: Any = 1.0, sample_axes: Any = None) -> jax.Array:
     x = jnp.abs(x) if jnp.iscomplexobj(x) else jnp.asarray(x)
     leaf = jnp.sum(jnp.square(x.astype(jnp.float32) * scale))
     if sample_axes is not None:
-      shards = _vma.varying_axes(jax.typeof(leaf)) - _vma.axis_names(
+      shards = _control.varying_axes(jax.typeof(leaf)) - _control.axis_names(
         sample_axes
       )
       if shards:

@@ -24,7 +24,7 @@ it an unreduced input cannot be made varying again.
 """
 
 import inspect
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable
 from typing import Any
 
 import jax
@@ -32,8 +32,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-
-from optax_accum import _checks, _noise_scale
 
 AxisName = Hashable
 
@@ -66,7 +64,7 @@ def check_supported() -> None:
     )
 
 
-def _axes(axis_name: AxisName) -> tuple:
+def axis_tuple(axis_name: AxisName) -> tuple:
   return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
@@ -96,7 +94,7 @@ def check_explicit_axis(axis_name: AxisName = "data", mesh: Any = None) -> Any:
       " the jitted step and the init, got no mesh."
     )
   types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-  for axis in _axes(axis_name):
+  for axis in axis_tuple(axis_name):
     if axis not in types:
       raise ValueError(
         f"`axis_name`={axis_name!r} names an axis the mesh lacks; its axes"
@@ -121,7 +119,7 @@ def spec_of(x: Any) -> P:
   return getattr(jax.typeof(x).sharding, "spec", P())
 
 
-def _parts(spec: P) -> tuple:
+def partitions(spec: P) -> tuple:
   """The per-dimension entries of `spec` (``*spec`` is refused once it has
   unreduced or reduced axes)."""
   return tuple(getattr(spec, "partitions", spec))
@@ -140,7 +138,7 @@ def is_unreduced(x: Any, axis_name: AxisName = "data") -> bool:
 
   Works on arrays, tracers under ``jit`` and ``jax.ShapeDtypeStruct``.
   """
-  return set(_axes(axis_name)) <= set(unreduced_axes(x))
+  return set(axis_tuple(axis_name)) <= set(unreduced_axes(x))
 
 
 def check_unreduced(
@@ -154,7 +152,7 @@ def check_unreduced(
         f"`{name}` must be typed unreduced over {axis_name!r} (each"
         " device's local gradient, not yet summed), but leaf"
         f" {where_} has type {jax.typeof(leaf)}. Make them with"
-        " `optax_accum.local_value_and_grad`, or take `jax.grad` with"
+        " `optax_accum.distributed.local_value_and_grad`, or take `jax.grad` with"
         f" respect to params resharded to `P(..., reduced={{{axis_name!r}}})`."
       )
 
@@ -164,18 +162,18 @@ def check_unreduced(
 # ----------------------------------------------------------------------------
 
 
-def _without(spec: P, axes: tuple) -> tuple:
+def without_axes(spec: P, axes: tuple) -> tuple:
   """The partitions of `spec` with every axis of `axes` removed."""
 
   def drop(entry):
     if entry is None:
       return None
-    kept = tuple(a for a in _axes(entry) if a not in axes)
+    kept = tuple(a for a in axis_tuple(entry) if a not in axes)
     if not kept:
       return None
     return kept if isinstance(entry, tuple) else kept[0]
 
-  return tuple(drop(e) for e in _parts(spec))
+  return tuple(drop(e) for e in partitions(spec))
 
 
 def unreduced_spec(x: Any, axis_name: AxisName = "data") -> P:
@@ -183,9 +181,9 @@ def unreduced_spec(x: Any, axis_name: AxisName = "data") -> P:
   mesh axes, unreduced over `axis_name` (and not sharded over it: a param
   sharded over the data axis, FSDP-style, gets a full-size accumulator)."""
   spec = spec_of(x)
-  axes = _axes(axis_name)
+  axes = axis_tuple(axis_name)
   return P(
-    *_without(spec, axes),
+    *without_axes(spec, axes),
     unreduced=frozenset(spec.unreduced) | frozenset(axes),
     reduced=frozenset(spec.reduced) - frozenset(axes),
   )
@@ -219,9 +217,9 @@ def unreduced_like(x: Any, like: Any, axis_name: AxisName = "data") -> Any:
   communication (one device holds `x`, the others zeros, so the sum is
   `x`). None where `x` is sharded over `axis_name` (FSDP), whose devices
   then hold other shapes than `like`'s."""
-  axes = set(_axes(axis_name))
-  for entry in _parts(spec_of(x)):
-    if entry is not None and axes & set(_axes(entry)):
+  axes = set(axis_tuple(axis_name))
+  for entry in partitions(spec_of(x)):
+    if entry is not None and axes & set(axis_tuple(entry)):
       return None
   return jax.reshard(x, spec_of(like))
 
@@ -231,8 +229,8 @@ def reduced_spec(x: Any, axis_name: AxisName = "data") -> P:
   sharding over the other mesh axes, replicated over `axis_name`."""
   spec = spec_of(x)
   return P(
-    *_parts(spec),
-    unreduced=frozenset(spec.unreduced) - frozenset(_axes(axis_name)),
+    *partitions(spec),
+    unreduced=frozenset(spec.unreduced) - frozenset(axis_tuple(axis_name)),
     reduced=spec.reduced,
   )
 
@@ -245,9 +243,9 @@ def to_reduced(x: Any, axis_name: AxisName = "data") -> jax.Array:
   return jax.reshard(
     x,
     P(
-      *_parts(spec),
+      *partitions(spec),
       unreduced=spec.unreduced,
-      reduced=frozenset(spec.reduced) | frozenset(_axes(axis_name)),
+      reduced=frozenset(spec.reduced) | frozenset(axis_tuple(axis_name)),
     ),
   )
 
@@ -309,195 +307,3 @@ def reduce(
   if out_specs is None:
     out_specs = jax.tree.map(lambda x: reduced_spec(x, axis_name), tree)
   return jax.reshard(tree, out_specs)
-
-
-def from_per_device(stacked: Any, axis_name: AxisName = "data") -> Any:
-  """Arrays ``(n, *shape)`` sharded over `axis_name` on their leading axis,
-  one slot per device, to ``shape`` typed unreduced: no communication.
-
-  ``shard_map`` returns unreduced outputs only in full manual mode; this
-  contraction with ones works with params sharded over other mesh axes
-  (tensor parallel), which then keep their sharding.
-  """
-
-  def one(s):
-    parts = _parts(spec_of(s))[1:]
-    parts += (None,) * (s.ndim - 1 - len(parts))
-    out = P(*parts, unreduced=frozenset(_axes(axis_name)))
-    ones = jnp.ones(s.shape[:1], s.dtype, out_sharding=P(axis_name))
-    return jnp.einsum(
-      "d,d...->...",
-      ones,
-      s,
-      out_sharding=out,
-      precision=lax.Precision.HIGHEST,
-      preferred_element_type=s.dtype,
-    )
-
-  return jax.tree.map(one, stacked)
-
-
-# ----------------------------------------------------------------------------
-# The gradient helper.
-# ----------------------------------------------------------------------------
-
-
-def local_value_and_grad(
-  fun: Callable[..., Any],
-  *,
-  axis_name: AxisName = "data",
-  has_weight: bool = False,
-  has_aux: bool = False,
-  in_specs: Sequence[Any] | None = None,
-  noise_stats: bool = False,
-) -> Callable[..., Any]:
-  r"""Like ``jax.value_and_grad(fun)``, but each device's gradient is left
-  unreduced over `axis_name`: no communication of parameter size.
-
-  Call the result under ``jax.jit`` with a mesh set by ``jax.set_mesh`` whose
-  `axis_name` axis is ``AxisType.Explicit``, params replicated over that axis
-  (or sharded over it, FSDP-style: they are all-gathered first) and the
-  batch split over it on its leading axis. Inside, ``fun(params, *args)``
-  runs once per device on that device's share of every argument after
-  ``params`` (in global view over the other mesh axes, so a tensor-parallel
-  model runs unchanged). What `fun` returns:
-
-  * ``loss``: the mean of the loss over the device's examples. Devices
-    count equally, so the result is the big-batch mean when every device
-    gets the same number of examples;
-  * with ``has_weight=True``, ``(loss, weight)``: the mean over the
-    device's tokens and their number :math:`n_d` (e.g. ``mask.sum()``),
-    which may differ between devices; a device with :math:`n_d = 0`
-    contributes nothing, even if its mean is the NaN of 0/0;
-  * with ``has_aux=True``, ``(that, aux)``.
-
-  The gradient returned on device :math:`d` is
-  :math:`\frac{n_d}{N} \nabla \ell_d` with :math:`N = \sum_d n_d` (and
-  :math:`n_d = 1` without weights), so that summed over devices it is the
-  gradient of the big-batch weighted mean :math:`\sum_d n_d \ell_d / N`:
-  exactly the gradient ``jax.grad`` would give of the global mean loss. Hand
-  it with ``weight=N`` (the returned weight) to an accumulator: with
-  per-micro-batch weights :math:`N_i` the accumulated
-  :math:`\sum_i N_i g_i / \sum_i N_i` is the per-token mean over all
-  micro-batches and devices.
-
-  Args:
-    fun: ``fun(params, *args)``, see above.
-    axis_name: The data axis of the mesh (a name or a tuple of names).
-    has_weight: Whether `fun` returns ``(loss, weight)``.
-    has_aux: Whether `fun` returns ``(value, aux)``.
-    in_specs: PartitionSpecs (over `axis_name` only) of the arguments after
-      ``params``, one prefix per argument; by default each is split over
-      `axis_name` on its leading axis. Use ``P()`` for an argument every
-      device gets whole (a step count, a shared key).
-    noise_stats: Whether to also return the
-      :class:`~optax_accum.NoiseStats` of the micro-batch, for
-      ``accumulate(..., track_noise_scale=True)``: each device measures
-      :math:`n_d |\nabla \ell_d|^2`, a pass over its gradient, and the
-      sums join the loss's all-reduce.
-
-  Returns:
-    ``value_and_grad(params, *args) -> (value, grads)``, where `value` has
-    the structure `fun` returns: the loss is the global (weighted) mean and
-    the weight is :math:`N`, both replicated; `aux` gets a leading axis with
-    one entry per device, split over `axis_name`. `grads` has the structure
-    and, over the other mesh axes, the sharding of `params`, typed unreduced
-    over `axis_name`. One scalar all-reduce (loss and weight) is done.
-    With ``noise_stats=True``, ``(value, grads, stats)``: pass ``stats`` on
-    as ``update(..., noise_stats=stats)``. Called outside ``jit`` it runs
-    itself under ``jax.jit`` (compiled once per argument types).
-
-  Raises:
-    RuntimeError, ValueError: When called, if JAX lacks unreduced shardings
-      or the axis is missing or not explicit (see
-      :func:`check_explicit_axis`).
-  """
-  if not callable(fun):
-    raise TypeError(f"`fun` must be callable, got {fun!r}.")
-  has_weight = _checks.boolean(has_weight, "has_weight")
-  has_aux = _checks.boolean(has_aux, "has_aux")
-  noise_stats = _checks.boolean(noise_stats, "noise_stats")
-  axes = _axes(axis_name)
-
-  def value_and_grad(params: Any, *args: Any) -> Any:
-    check_explicit_axis(axis_name)
-    # FSDP: a param sharded over the data axis is gathered (the forward
-    # needs it whole); its gradient is then a full-size partial sum.
-    params = jax.tree.map(
-      lambda p: jax.reshard(p, P(*_without(spec_of(p), axes))), params
-    )
-    specs = (
-      tuple(in_specs) if in_specs is not None else (P(axis_name),) * len(args)
-    )
-    if len(specs) != len(args):
-      raise ValueError(
-        f"`in_specs` must have one entry per argument after `params`,"
-        f" got {len(specs)} for {len(args)} arguments."
-      )
-
-    def per_device(params, *args):
-      params = jax.tree.map(
-        lambda p: lax.pcast(p, axis_name, to="varying"), params
-      )
-
-      def split(params, *args):
-        out = fun(params, *args)
-        value, aux = out if has_aux else (out, None)
-        loss, weight = value if has_weight else (value, 1.0)
-        return loss, (weight, aux)
-
-      (loss, (weight, aux)), grads = jax.value_and_grad(split, has_aux=True)(
-        params, *args
-      )
-      weight = lax.stop_gradient(jnp.asarray(weight, jnp.float32))
-      empty = weight == 0
-      loss32 = jnp.where(empty, 0.0, jnp.asarray(loss, jnp.float32))
-      sums = (weight * loss32, weight)
-      if noise_stats:  # This device's share, measured before scaling.
-        sq = jnp.where(empty, 0.0, weight * _noise_scale.sq_norm(grads))
-        sums += (sq, jnp.where(empty, 0.0, 1.0))
-      # Scalars only, in one all-reduce.
-      loss_sum, total, *noise = lax.psum(sums, axis_name)
-      share = jnp.where(
-        total == 0, 0.0, weight / jnp.where(total == 0, 1, total)
-      )
-      grads = jax.tree.map(
-        lambda g: jnp.where(
-          empty, jnp.zeros_like(g), g * share.astype(g.dtype)
-        )[None],
-        grads,
-      )
-      mean_loss = jnp.where(
-        total == 0, 0.0, loss_sum / jnp.where(total == 0, 1, total)
-      )
-      mean_loss = mean_loss.astype(jnp.result_type(loss))
-      value = (mean_loss, total) if has_weight else mean_loss
-      aux = jax.tree.map(lambda a: jnp.asarray(a)[None], aux)
-      stats = None
-      if noise_stats:
-        sq_sum, count = noise
-        stats = _noise_scale.NoiseStats(sq_sum, total, count.astype(jnp.int32))
-      return (value, aux, stats), grads
-
-    (value, aux, stats), stacked = jax.shard_map(
-      per_device,
-      in_specs=(P(),) + specs,
-      out_specs=((P(), P(axis_name), P()), P(axis_name)),
-      axis_names=frozenset(axes),
-    )(params, *args)
-    grads = from_per_device(stacked, axis_name)
-    value = (value, aux) if has_aux else value
-    if noise_stats:
-      return value, grads, stats
-    return value, grads
-
-  jitted = jax.jit(value_and_grad)
-
-  def call(params: Any, *args: Any) -> Any:
-    if _checks.is_traced(params):
-      return value_and_grad(params, *args)
-    # Eagerly, shard_map would dispatch op by op on every device: the same
-    # computation, compiled once.
-    return jitted(params, *args)
-
-  return call

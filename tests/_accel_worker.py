@@ -2,7 +2,7 @@
 
 Run by ``tests/test_accelerators.py`` in a subprocess, with
 ``JAX_PLATFORMS=cpu`` and the accelerator compilers on ``PYTHONPATH`` (see
-``optax_accum/_targets.py``)::
+``optax_accum/targets/__init__.py``)::
 
   python tests/_accel_worker.py REQUESTS.json FACTS.json
 
@@ -26,7 +26,7 @@ import bench_compiled  # noqa: E402
 import jax  # noqa: E402
 from jax import lax  # noqa: E402
 
-from optax_accum import _accumulate, _vma  # noqa: E402
+from optax_accum import _accumulate, _control  # noqa: E402
 
 
 def _plain_lax_cond(pred, true_fun, false_fun, *operands):
@@ -37,7 +37,7 @@ def _plain_lax_cond(pred, true_fun, false_fun, *operands):
 def _holding_branch_last(pred, true_fun, false_fun, *operands):
   """The holding branch as HLO branch 1: XLA copies what it passes through."""
   index = 1 - jax.numpy.asarray(pred).astype(jax.numpy.int32)
-  return _vma.switch(index, (true_fun, false_fun), *operands)
+  return _control.switch(index, (true_fun, false_fun), *operands)
 
 
 def _cpu_form_everywhere(*args, cpu, accelerator):
@@ -60,8 +60,8 @@ def _reduction_after_the_whole_gradient(
 
 # name -> (module, attribute, replacement)
 PLANTS = {
-  "lax_cond": (_vma, "cond", _plain_lax_cond),
-  "holding_branch_last": (_vma, "cond", _holding_branch_last),
+  "lax_cond": (_control, "cond", _plain_lax_cond),
+  "holding_branch_last": (_control, "cond", _holding_branch_last),
   "cpu_form": (_accumulate, "_per_backend", _cpu_form_everywhere),
   "one_reduction": (
     _accumulate,

@@ -53,7 +53,7 @@ def accel_env() -> dict[str, str]:
       f"no {' or '.join(missing)} in {accel} (OPTAX_ACCUM_ACCEL): run `make"
       " test`, which installs the accelerator compilers there, or set"
       " OPTAX_ACCUM_ACCEL to a folder holding `pip install --no-deps"
-      " --target DIR $(python -m optax_accum._targets)`."
+      " --target DIR $(python -m optax_accum.targets)`."
     )
   env = dict(os.environ)
   env.update(

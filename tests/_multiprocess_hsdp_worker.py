@@ -93,7 +93,7 @@ def main(argv=None) -> None:
       )
 
     tx = optax_accum.accumulate(inner, K, axis_name="replica")
-    grad_fn = optax_accum.local_value_and_grad(
+    grad_fn = optax_accum.distributed.local_value_and_grad(
       mean_loss, axis_name="replica", has_weight=True
     )
 
@@ -116,7 +116,7 @@ def main(argv=None) -> None:
         for i in range(K):
           micro = [global_batch(a, s, i) for a in (x, y, mask)]
           if s == i == 0:
-            optax_accum.assert_reduction_deferred(
+            optax_accum.inspect.assert_reduction_deferred(
               step, params, state, *micro, axis_name="replica", min_bytes=64
             )
           params, state = step(params, state, *micro)

@@ -144,7 +144,7 @@ def main(argv=None) -> None:
     tx = optax_accum.accumulate(inner, K)
     params = jax.device_put(params0, replicated)
     state = jax.jit(
-      tx.init, out_shardings=optax_accum.state_shardings(tx, params)
+      tx.init, out_shardings=optax_accum.distributed.state_shardings(tx, params)
     )(params)
 
     @jax.jit
@@ -163,11 +163,11 @@ def main(argv=None) -> None:
 
     # shard_map: local gradients, reduced once per optimizer step.
     tx = optax_accum.accumulate(inner, K, axis_name="data")
-    specs = optax_accum.shard_map_specs(
+    specs = optax_accum.distributed.shard_map_specs(
       jax.eval_shape(tx.init, params0), "data"
     )
-    add_device_axis = optax_accum.add_device_axis
-    drop_device_axis = optax_accum.drop_device_axis
+    add_device_axis = optax_accum.distributed.add_device_axis
+    drop_device_axis = optax_accum.distributed.drop_device_axis
 
     init = jax.jit(
       jax.shard_map(
@@ -210,7 +210,9 @@ def main(argv=None) -> None:
     explicit = jax.make_mesh(
       (n_dev,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,)
     )
-    grad_fn = optax_accum.local_value_and_grad(mean_loss, has_weight=True)
+    grad_fn = optax_accum.distributed.local_value_and_grad(
+      mean_loss, has_weight=True
+    )
 
     @jax.jit
     def unreduced_step(params, state, x, y, mask):
@@ -226,7 +228,7 @@ def main(argv=None) -> None:
         for i in range(K):
           batch = [global_batch(a, s, i, by_batch) for a in (x, y, mask)]
           if s == i == 0:  # The gradient is reduced in the emitting branch.
-            optax_accum.assert_reduction_deferred(
+            optax_accum.inspect.assert_reduction_deferred(
               unreduced_step, params, state, *batch, min_bytes=4 * OUT
             )
           params, state = unreduced_step(params, state, *batch)

@@ -1,12 +1,12 @@
 """The programs XLA compiles for an H100, 8 H100s and a TPU v5e, held to the
 design.
 
-Compiled without the devices (deviceless AOT, ``optax_accum/_targets.py``)
+Compiled without the devices (deviceless AOT, ``optax_accum/targets/__init__.py``)
 in one subprocess (``tests/_accel_worker.py``), as the steps
 ``benchmarks/bench_compiled.py`` measures: 4 dense 2048-square layers, adam,
 ``every_k=8``, params and state donated; the distributed engines over all
 the target's devices. Nothing runs and nothing is timed: each test reads the
-compiled program (``optax_accum/_program.py``).
+compiled program (``tools/program.py``).
 
 Each kind of check also runs on a program with a known fault planted (the
 plain ``lax.cond`` of optax_accum 0.1, a holding branch that is not branch

@@ -751,8 +751,12 @@ def test_state_has_no_none_for_tree_walkers(maybe_jit, config):
   restored = flax.serialization.from_state_dict(tx.init(params), mapped)
   chex.assert_trees_all_equal(restored, state)
   tracks_noise = config != "plain"
-  assert isinstance(state.noise, optax_accum.NoiseScaleState) == tracks_noise
-  assert isinstance(state.grow, optax_accum.GrowState) == (config == "grow")
+  assert (
+    isinstance(state.noise, optax_accum.types.NoiseScaleState) == tracks_noise
+  )
+  assert isinstance(state.grow, optax_accum.types.GrowState) == (
+    config == "grow"
+  )
 
 
 @pytest.mark.parametrize("config", list(RECORDS))
@@ -761,20 +765,20 @@ def test_layouts_keep_the_records(maybe_jit, config):
   the records down to their fields, empty ones included."""
   tx = RECORDS[config]()
   state = tx.init(_common.params())
-  specs = optax_accum.shard_map_specs(state, "data")
+  specs = optax_accum.distributed.shard_map_specs(state, "data")
   local, replicated = jax.P("data"), jax.P()
   if config == "plain":
     assert specs.noise == specs.grow == optax.EmptyState()
   else:
-    assert specs.noise == optax_accum.NoiseScaleState(
+    assert specs.noise == optax_accum.types.NoiseScaleState(
       local, local, replicated, replicated, replicated
     )
   if config == "grow":
-    assert specs.grow == optax_accum.GrowState(replicated, replicated)
-  with_axis = maybe_jit(optax_accum.add_device_axis)(state)
+    assert specs.grow == optax_accum.types.GrowState(replicated, replicated)
+  with_axis = maybe_jit(optax_accum.distributed.add_device_axis)(state)
   assert jax.tree.structure(with_axis) == jax.tree.structure(state)
   assert with_axis.acc_weight.shape == (1,) and with_axis.step.shape == ()
-  back = maybe_jit(optax_accum.drop_device_axis)(with_axis)
+  back = maybe_jit(optax_accum.distributed.drop_device_axis)(with_axis)
   chex.assert_trees_all_equal(back, state)
 
 

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import optax_accum
-from optax_accum import _program
+from tools import program
 
 
 def _run(tx, apply, calls=7, jit=True, pass_params=True, **options):
@@ -125,7 +125,7 @@ def test_static_calls_apply_at_trace_time(emit):
     return optax_accum.apply_updates(params, updates, state), state
 
   compiled = jax.jit(step).lower(params, state).compile()
-  assert _program.Program(compiled).conditionals() == 0
+  assert program.Program(compiled).conditionals() == 0
   new, _ = jax.jit(step)(params, state)
   np.testing.assert_array_equal(new["w"], [0.0, 0.0] if emit else [1.0, 1.0])
 

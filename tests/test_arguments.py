@@ -409,7 +409,7 @@ def test_state_shardings_rejects_what_is_not_a_transformation(tx):
   mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
   params = {"w": jax.device_put(jnp.zeros(2), NamedSharding(mesh, P()))}
   with pytest.raises(TypeError, match="`tx` must be an optax"):
-    optax_accum.state_shardings(tx, params)
+    optax_accum.distributed.state_shardings(tx, params)
 
 
 def _make_tx():
@@ -431,9 +431,9 @@ def test_state_shardings_rejects_a_callable_of_another_arity(tx, match):
   mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
   params = {"w": jax.device_put(jnp.zeros(2), NamedSharding(mesh, P()))}
   with pytest.raises(TypeError, match="`tx` must be an optax.*" + match):
-    optax_accum.state_shardings(tx, params)
+    optax_accum.distributed.state_shardings(tx, params)
   # Its init function is accepted.
-  shardings = optax_accum.state_shardings(_make_tx().init, params)
+  shardings = optax_accum.distributed.state_shardings(_make_tx().init, params)
   assert shardings.acc_grads["w"] == params["w"].sharding
 
 

@@ -3,7 +3,7 @@
 On the 8 simulated CPU devices (see conftest.py) each device passes its
 local gradient; the emitted update equals the big-batch mean, replicas stay
 identical through skips and flushes, the state layout comes from
-`optax_accum.shard_map_specs`, and the compiled step reduces the gradient
+`optax_accum.distributed.shard_map_specs`, and the compiled step reduces the gradient
 only in the emitting branch, with shard_map's default `check_vma=True` and
 with `check_vma=False`.
 """
@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum._hlo import HloModule, array_shapes
+from optax_accum.inspect._hlo import HloModule, array_shapes
 
 N_DEV = 8
 # ---------------------------------------------------------------------------
@@ -30,7 +30,7 @@ SEQ, DIM, OUT = 4, 6, 5
 
 def _replicated_leaves(state):
   """The leaves every device holds the same (not the cycle's local sums)."""
-  specs = optax_accum.shard_map_specs(state, "data")
+  specs = optax_accum.distributed.shard_map_specs(state, "data")
   return [
     sub
     for spec, sub in zip(
@@ -309,12 +309,12 @@ def test_shard_map_replicated_params_recipe(check_vma):
   inner = optax.sgd(0.1, momentum=0.9)
   tx = optax_accum.accumulate(inner, k, axis_name="data")
   mesh = _data_mesh()
-  specs = optax_accum.shard_map_specs(
+  specs = optax_accum.distributed.shard_map_specs(
     jax.eval_shape(tx.init, _params0()), "data"
   )
 
   def sharded_step(params, state, x, y, mask):
-    state = optax_accum.drop_device_axis(state)
+    state = optax_accum.distributed.drop_device_axis(state)
     # Under check_vma=True, jax.grad sums the gradient of replicated params
     # over the devices itself (every micro-step); for params marked as
     # varying it stays local and unreduced. A no-op with check_vma=False.
@@ -322,11 +322,11 @@ def test_shard_map_replicated_params_recipe(check_vma):
     grad, tokens = jax.grad(_mean_loss, has_aux=True)(local_params, x, y, mask)
     updates, state = tx.update(grad, state, params, weight=tokens)
     params = optax.apply_updates(params, updates)
-    return params, optax_accum.add_device_axis(state)
+    return params, optax_accum.distributed.add_device_axis(state)
 
   init = jax.jit(
     jax.shard_map(
-      lambda p: optax_accum.add_device_axis(tx.init(p)),
+      lambda p: optax_accum.distributed.add_device_axis(tx.init(p)),
       mesh=mesh,
       in_specs=P(),
       out_specs=specs,

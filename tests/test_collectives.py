@@ -40,8 +40,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _groups, _hlo
-from optax_accum._collectives import (
+from optax_accum.inspect import _groups, _hlo
+from optax_accum.inspect._collectives import (
   DEFAULT_MIN_BYTES,
   assert_reduction_deferred,
   collectives,
@@ -453,7 +453,7 @@ def test_mesh_form_with_device_ids():
 
 
 def _table_of(records):
-  return "\n" + optax_accum.format_collectives(records)
+  return "\n" + optax_accum.inspect.format_collectives(records)
 
 
 def test_list_form_from_shard_map():
@@ -797,9 +797,10 @@ def _accelerator_report():
   """What the reader finds in programs compiled for a v5e 2x4 slice (and
   one for 8 H100s); run by `_accelerator_run` with JAX_PLATFORMS=cpu and
   the compilers importable."""
-  from optax_accum import _collectives, _targets
+  from optax_accum import targets
+  from optax_accum.inspect import _collectives
 
-  mesh = _targets.mesh("v5e_2x4", (2, 4), ("replica", "fsdp"))
+  mesh = targets.mesh("v5e_2x4", (2, 4), ("replica", "fsdp"))
 
   def arg(shape, spec):
     return jax.ShapeDtypeStruct(
@@ -829,7 +830,7 @@ def _accelerator_report():
   programs["grad"] = (grad, grad_args, None)
   programs["grad_iota"] = (grad, grad_args, _IOTA_OPTIONS)
   # The same gradient for 8 H100s (XLA:GPU), on a mesh of its own.
-  gpu = _targets.mesh("h100x8", (2, 4), ("replica", "fsdp"))
+  gpu = targets.mesh("h100x8", (2, 4), ("replica", "fsdp"))
   gpu_args = tuple(
     jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(gpu, spec))
     for a, spec in zip(grad_args, (P("fsdp"), batch), strict=True)

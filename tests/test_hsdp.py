@@ -24,7 +24,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _groups, _unreduced, _vma
+from optax_accum import _control, _unreduced
+from optax_accum.inspect import _groups
 
 REPLICAS, FSDP = 2, 4
 ROWS = 2  # examples per device and micro-batch
@@ -101,7 +102,7 @@ def _train(
   """One micro-batch per call under the HSDP mesh (`specs` lay out the
   params); `noise`: the tx tracks the noise scale."""
   loss = _token_mean if weighted else _example_mean
-  grad_fn = optax_accum.local_value_and_grad(
+  grad_fn = optax_accum.distributed.local_value_and_grad(
     loss, axis_name="replica", has_weight=weighted, noise_stats=noise
   )
 
@@ -190,7 +191,7 @@ def test_the_accumulator_holds_one_shard_per_device():
   with jax.set_mesh(mesh):
     params = _put_params(mesh, _init_params())
     state = tx.init(params)
-    shardings = optax_accum.state_shardings(tx, params)
+    shardings = optax_accum.distributed.state_shardings(tx, params)
   for key, param in params.items():
     acc = state.acc_grads[key]
     assert _unreduced.is_unreduced(acc, "replica"), key
@@ -240,7 +241,7 @@ def test_options_give_the_replicated_run(option):
   _close(params, ref_params, atol=1e-6, rtol=1e-5)
   for field in ("step", "micro_step", "every_k", "num_skipped"):
     assert int(getattr(state, field)) == int(getattr(ref_state, field)), field
-  if isinstance(state.noise, optax_accum.NoiseScaleState):
+  if isinstance(state.noise, optax_accum.types.NoiseScaleState):
     np.testing.assert_allclose(
       np.asarray(optax_accum.noise_scale(state)),
       np.asarray(optax_accum.noise_scale(ref_state)),
@@ -259,7 +260,9 @@ def test_a_checkpoint_mid_cycle_resumes_the_run():
   k = 4
   tx = optax_accum.accumulate(optax.adam(1e-2), k, axis_name="replica")
   batches = [_make_batch(i) for i in range(2 * k)]
-  grad_fn = optax_accum.local_value_and_grad(_example_mean, axis_name="replica")
+  grad_fn = optax_accum.distributed.local_value_and_grad(
+    _example_mean, axis_name="replica"
+  )
 
   @jax.jit
   def step(params, state, batch):
@@ -275,9 +278,11 @@ def test_a_checkpoint_mid_cycle_resumes_the_run():
     put = functools.partial(jax.device_put, device=NamedSharding(mesh, BATCH))
     for batch in batches[: k + 1]:
       params, state = step(params, state, put(batch))
-    saved = jax.device_get(optax_accum.reduce_state(state))
+    saved = jax.device_get(optax_accum.distributed.reduce_state(state))
     loaded = jax.tree.map(jnp.asarray, saved)  # as a checkpointer gives it
-    restored = jax.device_put(loaded, optax_accum.state_shardings(tx, params))
+    restored = jax.device_put(
+      loaded, optax_accum.distributed.state_shardings(tx, params)
+    )
     assert _unreduced.is_unreduced(restored.acc_grads["w1"], "replica")
     assert int(restored.micro_step) == 1
     for batch in batches[k + 1 :]:
@@ -321,7 +326,7 @@ def _compiled_hsdp_step(per_step_fsdp=False):
   if per_step_fsdp:
     grad_fn = jax.value_and_grad(_example_mean)
   else:
-    grad_fn = optax_accum.local_value_and_grad(
+    grad_fn = optax_accum.distributed.local_value_and_grad(
       _example_mean, axis_name="replica"
     )
 
@@ -331,7 +336,7 @@ def _compiled_hsdp_step(per_step_fsdp=False):
     return optax_accum.apply_updates(params, updates, state), state
 
   with jax.set_mesh(mesh):
-    shardings = optax_accum.state_shardings(tx, params)
+    shardings = optax_accum.distributed.state_shardings(tx, params)
     state = jax.tree.map(
       lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
       jax.eval_shape(tx.init, params),
@@ -351,7 +356,7 @@ def _span_replicas(record):
 
 def test_compiled_step_reduces_across_replicas_once_per_cycle():
   mesh, compiled = _compiled_hsdp_step()
-  records = optax_accum.assert_reduction_deferred(
+  records = optax_accum.inspect.assert_reduction_deferred(
     compiled, axis_name="replica", mesh=mesh, min_bytes=MIB
   )
   reductions = [
@@ -370,13 +375,13 @@ def test_compiled_step_reduces_across_replicas_once_per_cycle():
   within = [r for r in reductions if r.unconditional and r.bytes >= MIB]
   assert within and not any(_span_replicas(r) for r in within)
   with pytest.raises(AssertionError, match="not deferred"):
-    optax_accum.assert_reduction_deferred(compiled, min_bytes=MIB)
+    optax_accum.inspect.assert_reduction_deferred(compiled, min_bytes=MIB)
 
 
 def test_fsdp_reducing_every_call_fails_the_check():
   mesh, compiled = _compiled_hsdp_step(per_step_fsdp=True)
   with pytest.raises(AssertionError, match="across mesh axis 'replica'"):
-    optax_accum.assert_reduction_deferred(
+    optax_accum.inspect.assert_reduction_deferred(
       compiled, axis_name="replica", mesh=mesh, min_bytes=MIB
     )
 
@@ -395,7 +400,7 @@ def _shard_map_train(tx, batches, *, sharded=True):
   params = jax.device_put(
     _init_params(), {k: NamedSharding(mesh, s) for k, s in specs.items()}
   )
-  state_specs = optax_accum.shard_map_specs(
+  state_specs = optax_accum.distributed.shard_map_specs(
     jax.eval_shape(tx.init, params), "replica", params=params
   )
 
@@ -410,7 +415,7 @@ def _shard_map_train(tx, batches, *, sharded=True):
       missing = tuple(
         a
         for a in ("replica", "fsdp")
-        if a not in _vma.varying_axes(jax.typeof(x))
+        if a not in _control.varying_axes(jax.typeof(x))
       )
       return jax.lax.pcast(x, missing, to="varying") if missing else x
 
@@ -437,10 +442,10 @@ def _shard_map_train(tx, batches, *, sharded=True):
     g = jax.tree.map(lambda x: x / jnp.maximum(tokens, 1.0), g)
     # The noise scale (noise=True) is measured by `tx` from the shards.
     u, state = tx.update(
-      g, optax_accum.drop_device_axis(state), params, weight=tokens
+      g, optax_accum.distributed.drop_device_axis(state), params, weight=tokens
     )
     params = optax_accum.apply_updates(params, u, state)
-    return params, optax_accum.add_device_axis(state)
+    return params, optax_accum.distributed.add_device_axis(state)
 
   rows = P(("replica", "fsdp"))
   step = jax.jit(
@@ -453,7 +458,7 @@ def _shard_map_train(tx, batches, *, sharded=True):
   )
   init = jax.jit(
     jax.shard_map(
-      lambda p: optax_accum.add_device_axis(tx.init(p)),
+      lambda p: optax_accum.distributed.add_device_axis(tx.init(p)),
       mesh=mesh,
       in_specs=(specs,),
       out_specs=state_specs,
@@ -482,7 +487,7 @@ def test_shard_map_hsdp_equals_the_big_batch():
   assert specs.acc_weight == P("replica") and specs.step == P()
   shard = state.acc_grads["w1"].addressable_shards[0].data
   assert shard.shape == (1, 16 // FSDP, 16)
-  optax_accum.assert_reduction_deferred(
+  optax_accum.inspect.assert_reduction_deferred(
     lowered, axis_name="replica", min_bytes=64
   )
 

@@ -27,7 +27,8 @@ from test_unreduced import (
 )
 
 import optax_accum
-from optax_accum import _collectives, _unreduced
+from optax_accum import _unreduced
+from optax_accum.inspect import _collectives
 
 K = 3
 STEPS = 2
@@ -37,8 +38,10 @@ PARAM_BYTES = sum(4 * p.size for p in jax.tree.leaves(_init_params()))
 
 def _grad_fn(weighted):
   if weighted:
-    return optax_accum.local_value_and_grad(_token_mean, has_weight=True)
-  return optax_accum.local_value_and_grad(_example_mean)
+    return optax_accum.distributed.local_value_and_grad(
+      _token_mean, has_weight=True
+    )
+  return optax_accum.distributed.local_value_and_grad(_example_mean)
 
 
 def _micro_step(tx, grad_fn, weighted, params, state, batch, flush=False):
@@ -167,7 +170,9 @@ def test_weight_computed_from_the_sharded_batch_is_global():
   micro-batch's global count: the same weight the helper returns."""
   inner = optax.sgd(0.5)
   tx = optax_accum.accumulate(inner, K, axis_name="data")
-  grad_fn = optax_accum.local_value_and_grad(_token_mean, has_weight=True)
+  grad_fn = optax_accum.distributed.local_value_and_grad(
+    _token_mean, has_weight=True
+  )
 
   def step(params, state, batch):
     _, grads = grad_fn(params, batch)
@@ -219,7 +224,7 @@ def test_init_gives_unreduced_accumulators(layout, use_jit):
     params, _ = _put(mesh, layout, _init_params(), _make_batch(0))
     init = jax.jit(tx.init) if use_jit else tx.init
     state = init(params)
-    shardings = optax_accum.state_shardings(tx, params)
+    shardings = optax_accum.distributed.state_shardings(tx, params)
   for key, acc in state.acc_grads.items():
     spec = jax.typeof(acc).sharding.spec
     assert spec.unreduced == frozenset({"data"}), (key, spec)
@@ -447,7 +452,8 @@ def test_fsdp_deferral_holds_a_full_size_accumulator_per_device():
     with jax.set_mesh(mesh):
       params, batch = _put(mesh, "fsdp", _init_params(), _make_batch(0))
       state = jax.jit(
-        tx.init, out_shardings=optax_accum.state_shardings(tx, params)
+        tx.init,
+        out_shardings=optax_accum.distributed.state_shardings(tx, params),
       )(params)
       compiled = step.lower(params, state, batch).compile()
     return compiled.memory_analysis().argument_size_in_bytes
@@ -517,12 +523,17 @@ def test_a_checkpoint_mid_cycle_resumes_the_run(layout, tmp_path):
     for batch in batches[: K + 1]:
       params, state = step(params, state, jax.device_put(batch, data))
     with ocp.StandardCheckpointer() as checkpointer:
-      checkpointer.save(tmp_path / "state", optax_accum.reduce_state(state))
+      checkpointer.save(
+        tmp_path / "state", optax_accum.distributed.reduce_state(state)
+      )
       checkpointer.wait_until_finished()
       restored = checkpointer.restore(
-        tmp_path / "state", optax_accum.reduce_state(tx.init(params))
+        tmp_path / "state",
+        optax_accum.distributed.reduce_state(tx.init(params)),
       )
-    restored = jax.device_put(restored, optax_accum.state_shardings(tx, params))
+    restored = jax.device_put(
+      restored, optax_accum.distributed.state_shardings(tx, params)
+    )
     assert _unreduced.is_unreduced(restored.acc_grads["w"])
     assert int(restored.micro_step) == 1
     resumed = params
@@ -541,8 +552,10 @@ def test_reduce_state_under_jit_on_shapes_and_elsewhere():
   with jax.set_mesh(mesh):
     params, _ = _put(mesh, "tp", _init_params(), _make_batch(0))
     state = tx.init(params)
-    traced = jax.jit(optax_accum.reduce_state)(state)
-    shapes = optax_accum.reduce_state(jax.eval_shape(tx.init, params))
+    traced = jax.jit(optax_accum.distributed.reduce_state)(state)
+    shapes = optax_accum.distributed.reduce_state(
+      jax.eval_shape(tx.init, params)
+    )
   for reduced in (traced.acc_grads, shapes.acc_grads):
     for key, leaf in reduced.items():
       assert not _unreduced.is_unreduced(leaf), key
@@ -551,7 +564,7 @@ def test_reduce_state_under_jit_on_shapes_and_elsewhere():
       )
   local = optax_accum.accumulate(optax.sgd(0.1), 2).init(_init_params())
   for a, b in zip(
-    jax.tree.leaves(optax_accum.reduce_state(local)),
+    jax.tree.leaves(optax_accum.distributed.reduce_state(local)),
     jax.tree.leaves(local),
     strict=True,
   ):

@@ -43,7 +43,7 @@ def _unreduced_run(tx, batches, weighted):
   Returns the params, the state and the k each call left for the next.
   """
   loss = _token_mean if weighted else _example_mean
-  grad_fn = optax_accum.local_value_and_grad(
+  grad_fn = optax_accum.distributed.local_value_and_grad(
     loss, has_weight=weighted, noise_stats=True
   )
 
@@ -172,7 +172,7 @@ def test_the_controller_picks_the_same_ks_as_the_shard_map_engine():
 
 def _one_unreduced_call(tx, noise_stats=True):
   mesh = _mesh("dp")
-  grad_fn = optax_accum.local_value_and_grad(
+  grad_fn = optax_accum.distributed.local_value_and_grad(
     _token_mean, has_weight=True, noise_stats=noise_stats
   )
 
@@ -203,7 +203,7 @@ def test_error_when_the_stats_are_given_without_tracking():
 
 def test_error_when_the_stats_are_given_to_another_engine():
   tx = optax_accum.accumulate(optax.sgd(0.1), 2, track_noise_scale=True)
-  stats = optax_accum.NoiseStats(
+  stats = optax_accum.distributed.NoiseStats(
     jnp.ones([]), jnp.ones([]), jnp.ones([], jnp.int32)
   )
   params = jnp.zeros(3)
@@ -216,7 +216,9 @@ def test_error_when_the_stats_are_not_noise_stats():
     optax.sgd(0.1), 2, axis_name="data", track_noise_scale=True
   )
   mesh = _mesh("dp")
-  grad_fn = optax_accum.local_value_and_grad(_token_mean, has_weight=True)
+  grad_fn = optax_accum.distributed.local_value_and_grad(
+    _token_mean, has_weight=True
+  )
   with jax.set_mesh(mesh):
     params, batch = _put(mesh, "dp", _init_params(), _make_batch(0))
     (_, tokens), grads = jax.jit(grad_fn)(params, batch)
@@ -229,4 +231,4 @@ def test_error_when_the_stats_are_not_noise_stats():
 @pytest.mark.parametrize("flag", ["has_weight", "has_aux", "noise_stats"])
 def test_helper_flags_must_be_bools(flag):
   with pytest.raises(TypeError, match=f"`{flag}` must be True or False"):
-    optax_accum.local_value_and_grad(_token_mean, **{flag: "yes"})
+    optax_accum.distributed.local_value_and_grad(_token_mean, **{flag: "yes"})

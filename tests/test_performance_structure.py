@@ -27,7 +27,7 @@ import optax
 import pytest
 
 import optax_accum
-from optax_accum._hlo import FREE_OPCODES, HloModule
+from optax_accum.inspect._hlo import FREE_OPCODES, HloModule
 
 WIDTH, LAYERS, MICRO_BATCH = 512, 4, 8  # 4 MB of float32 params.
 

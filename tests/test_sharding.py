@@ -1,7 +1,7 @@
 """Accumulator and inner state sharded like the params.
 
 On the 8 simulated CPU devices (see conftest.py), `init` (eager, or jitted
-with the shardings of `optax_accum.state_shardings`) and every `update` keep
+with the shardings of `optax_accum.distributed.state_shardings`) and every `update` keep
 each accumulator and inner-state leaf sharded like its param, on a 4x2
 ("data", "model") mesh and an FSDP layout; uncommitted params give an
 uncommitted state.
@@ -126,7 +126,7 @@ def test_state_shardings_follow_params(layout, inner_name):
   mesh, params = _sharded_params(layout)
   inner = INNERS[inner_name]()
   tx = optax_accum.accumulate(inner, 2)
-  shardings = optax_accum.state_shardings(tx, params)
+  shardings = optax_accum.distributed.state_shardings(tx, params)
   param_shardings, inner_expected = _expected_shardings(inner, params, mesh)
   replicated = NamedSharding(mesh, P())
 
@@ -147,7 +147,7 @@ def test_state_shardings_follow_params(layout, inner_name):
     params,
   )
   chained = optax.chain(optax.clip(1.0), tx)
-  chained_shardings = optax_accum.state_shardings(chained, abstract)
+  chained_shardings = optax_accum.distributed.state_shardings(chained, abstract)
   _assert_same_shardings(chained_shardings[1], shardings, "chain[1]")
 
 
@@ -172,7 +172,7 @@ def test_state_shardings_fit_any_inner_state(inner_name):
   updates run with them."""
   mesh, params = _sharded_params("fsdp")
   tx = optax_accum.accumulate(ODD_INNERS[inner_name](), 2)
-  shardings = optax_accum.state_shardings(tx, params)
+  shardings = optax_accum.distributed.state_shardings(tx, params)
   state = jax.jit(tx.init, out_shardings=shardings)(params)
   shapes = _common.flat(jax.eval_shape(tx.init, params))
   by_path = {
@@ -226,7 +226,7 @@ def test_init_and_update_keep_param_shardings(
 def _check_sharded_training(mesh, params, init_mode, update_mode):
   inner = optax.adam(1e-2)
   tx = optax_accum.accumulate(inner, 2)
-  shardings = optax_accum.state_shardings(tx, params)
+  shardings = optax_accum.distributed.state_shardings(tx, params)
   if init_mode == "eager":
     state = tx.init(params)
   else:
@@ -267,7 +267,7 @@ def test_jitted_update_keeps_state_shardings_exactly():
   the shardings `state_shardings` gave it (no resharding between steps)."""
   _, params = _sharded_params("data_model")
   tx = optax_accum.accumulate(optax.adam(1e-2), 2)
-  shardings = optax_accum.state_shardings(tx, params)
+  shardings = optax_accum.distributed.state_shardings(tx, params)
   state = jax.jit(tx.init, out_shardings=shardings)(params)
   update = jax.jit(tx.update)
   for i in range(2):
@@ -280,7 +280,7 @@ def test_state_shardings_restore_a_checkpoint_mid_cycle(tmp_path):
   training goes on exactly as without the interruption."""
   _, params = _sharded_params("fsdp")
   tx = optax_accum.accumulate(optax.adam(1e-2), 3)
-  shardings = optax_accum.state_shardings(tx, params)
+  shardings = optax_accum.distributed.state_shardings(tx, params)
   update = jax.jit(tx.update)
   state = jax.jit(tx.init, out_shardings=shardings)(params)
   for i in range(4):  # one cycle and a third
@@ -315,12 +315,12 @@ def test_state_shardings_restore_a_checkpoint_mid_cycle(tmp_path):
 
 def test_state_shardings_errors_name_the_argument():
   with pytest.raises(TypeError, match="`params`.*NamedSharding.*\\['w'\\]"):
-    optax_accum.state_shardings(
+    optax_accum.distributed.state_shardings(
       optax_accum.accumulate(optax.sgd(1.0), 2), {"w": np.zeros(3)}
     )
   with pytest.raises(TypeError, match="`tx`"):
     _, params = _sharded_params("fsdp")
-    optax_accum.state_shardings(3, params)
+    optax_accum.distributed.state_shardings(3, params)
 
 
 def test_jit_init_follows_params_on_an_explicit_mesh():

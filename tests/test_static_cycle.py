@@ -20,7 +20,7 @@ import pytest
 from _common import grads, params
 
 import optax_accum
-from optax_accum import _program
+from tools import program
 
 K = 3
 
@@ -243,7 +243,7 @@ def _program_of(emit):
   p = {"w": jnp.ones((64, 64)), "b": jnp.ones(64)}
   g = jax.tree.map(jnp.ones_like, p)
   compiled = step.lower(p, tx.init(p), g, emit=emit).compile()
-  return _program.Program(compiled)
+  return program.Program(compiled)
 
 
 ADAM_OPS = ("sqrt", "rsqrt")

@@ -14,7 +14,9 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _collectives, _unreduced
+from optax_accum import _unreduced, distributed
+from optax_accum.distributed import _local_grad
+from optax_accum.inspect import _collectives
 
 VOCAB, DIM, OUT = 16, 8, 4
 BATCH, SEQ = 16, 5
@@ -130,7 +132,7 @@ def test_reduced_gradient_is_the_big_batch_gradient(layout, weighted, use_jit):
   mesh = _mesh(layout)
   with jax.set_mesh(mesh):
     sharded_params, sharded_batch = _put(mesh, layout, params, batch)
-    fn = _unreduced.local_value_and_grad(loss, has_weight=weighted)
+    fn = distributed.local_value_and_grad(loss, has_weight=weighted)
     fn = jax.jit(fn) if use_jit else fn
     value, grads = fn(sharded_params, sharded_batch)
     for g, p in zip(
@@ -163,7 +165,7 @@ def test_a_device_with_no_tokens_contributes_nothing(use_jit):
   mesh = _mesh("dp")
   with jax.set_mesh(mesh):
     sharded_params, sharded_batch = _put(mesh, "dp", params, batch)
-    fn = _unreduced.local_value_and_grad(_token_mean, has_weight=True)
+    fn = distributed.local_value_and_grad(_token_mean, has_weight=True)
     fn = jax.jit(fn) if use_jit else fn
     (loss, weight), grads = fn(sharded_params, sharded_batch)
     reduced = jax.jit(_reduce_like)(grads, sharded_params)
@@ -180,7 +182,7 @@ def test_aux_comes_back_per_device():
   with jax.set_mesh(mesh):
     params, batch = _put(mesh, "dp", _init_params(), _make_batch(3))
     (value, aux), _ = jax.jit(
-      _unreduced.local_value_and_grad(loss, has_aux=True)
+      distributed.local_value_and_grad(loss, has_aux=True)
     )(params, batch)
   assert aux["local"].shape == (8,)
   np.testing.assert_allclose(np.mean(aux["local"]), float(value), rtol=1e-6)
@@ -191,7 +193,7 @@ def test_micro_step_compiles_without_parameter_sized_all_reduce(layout):
   mesh = _mesh(layout)
   with jax.set_mesh(mesh):
     params, batch = _put(mesh, layout, _init_params(), _make_batch(1))
-    fn = jax.jit(_unreduced.local_value_and_grad(_token_mean, has_weight=True))
+    fn = jax.jit(distributed.local_value_and_grad(_token_mean, has_weight=True))
     micro = _collectives.collectives(fn, params, batch)
     grads = fn(params, batch)[1]
     reduce_ops = _collectives.collectives(jax.jit(_reduce_like), grads, params)
@@ -243,7 +245,7 @@ def _per_device(mesh, rows):
   stacked = jax.device_put(
     jnp.asarray(rows, jnp.float32), NamedSharding(mesh, P("data"))
   )
-  return _unreduced.from_per_device(stacked)
+  return _local_grad.from_per_device(stacked)
 
 
 def test_where_scale_and_all_finite():
@@ -281,7 +283,7 @@ def test_error_when_the_axis_is_not_explicit():
   mesh = _mesh("dp", AxisType.Auto)
   with jax.set_mesh(mesh):
     params, batch = _put(mesh, "dp", _init_params(), _make_batch(1))
-    fn = jax.jit(_unreduced.local_value_and_grad(_example_mean))
+    fn = jax.jit(distributed.local_value_and_grad(_example_mean))
     with pytest.raises(ValueError, match=r"`axis_name`='data'.*Explicit"):
       fn(params, batch)
 
@@ -298,7 +300,7 @@ def test_error_when_gradients_are_not_unreduced():
   mesh = _mesh("dp")
   with jax.set_mesh(mesh):
     params, batch = _put(mesh, "dp", _init_params(), _make_batch(1))
-    _, grads = jax.jit(_unreduced.local_value_and_grad(_example_mean))(
+    _, grads = jax.jit(distributed.local_value_and_grad(_example_mean))(
       params, batch
     )
     _unreduced.check_unreduced(grads)  # passes
@@ -348,13 +350,13 @@ def test_in_specs_for_shared_arguments():
   mesh = _mesh("dp")
   with jax.set_mesh(mesh):
     sp, sb = _put(mesh, "dp", params, batch)
-    fn = _unreduced.local_value_and_grad(loss, in_specs=(P("data"), P()))
+    fn = distributed.local_value_and_grad(loss, in_specs=(P("data"), P()))
     _, grads = jax.jit(fn)(sp, sb, jnp.float32(3.0))
     reduced = jax.jit(_reduce_like)(grads, sp)
   _close(reduced, expected, atol=3 * ATOL)
   with pytest.raises(ValueError, match=r"`in_specs` must have one entry"):
     with jax.set_mesh(mesh):
-      _unreduced.local_value_and_grad(loss, in_specs=(P("data"),))(sp, sb, 3.0)
+      distributed.local_value_and_grad(loss, in_specs=(P("data"),))(sp, sb, 3.0)
 
 
 def test_pcast_is_what_full_manual_shard_map_allows():

@@ -143,7 +143,7 @@ def for_update(
       f" {axis_name!r}, but the gradients are: make the state with"
       " `tx.init(params)` while the mesh is set (`with jax.set_mesh(mesh):`)"
       " or with params placed on it, so that `init` builds unreduced"
-      " accumulators; `optax_accum.state_shardings` gives their shardings."
+      " accumulators; `optax_accum.distributed.state_shardings` gives their shardings."
     ) from None
   return Engine(UNREDUCED, axis_name)
 
@@ -158,7 +158,7 @@ def _refuse_unreduced(grads: Any) -> None:
       raise ValueError(
         f"`updates` leaf {jax.tree_util.keystr(path) or '<root>'} is typed"
         f" unreduced over {name!r} (each device's partial sum, e.g. from"
-        " `optax_accum.local_value_and_grad`), but this accumulate has no"
+        " `optax_accum.distributed.local_value_and_grad`), but this accumulate has no"
         f" `axis_name`: build it with `axis_name={name!r}` so that it sums"
         " them once per cycle."
       )

@@ -8,7 +8,7 @@ an accumulation step:
 * which kernels run on a micro-step and on the emitting call, and how many
   bytes they read and write (:meth:`Program.kernels`,
   :meth:`Program.kernel_bytes`): a micro-step takes branch 0 of every
-  conditional (the holding branch, see ``_vma.cond``), the emitting call
+  conditional (the holding branch, see ``_control.cond``), the emitting call
   the branch of each conditional that does the most work;
 * whether parameter-sized buffers are copied on the way
   (:meth:`Program.copies`), whether an optimizer op runs outside every
@@ -38,7 +38,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from optax_accum import _hlo
+from optax_accum.inspect import _hlo
 
 # Control flow and ops that move no data: not kernels.
 _NOT_KERNELS = _hlo.FREE_OPCODES | {

@@ -14,18 +14,17 @@ caller runs, or through a *branch* edge of a ``conditional``
 which runs only when that branch is taken. Code reachable from the entry by
 call edges alone runs on every call of the program: it is *unconditional*.
 
-A collective's device groups are read by `optax_accum._groups`, in the
-module's ids (``replica_count`` and ``num_partitions`` from its header).
+A collective's device groups are read by :mod:`optax_accum.inspect._groups`,
+in the module's ids (``replica_count`` and ``num_partitions`` from its
+header).
 
 This module reads only what the structure tests, the benchmarks and
-`optax_accum.collectives` need; it is not a full HLO parser.
+`optax_accum.inspect.collectives` need; it is not a full HLO parser.
 """
 
 import dataclasses
 import re
 from collections.abc import Iterable
-
-from optax_accum import _groups
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
@@ -131,7 +130,7 @@ def parse_instruction(line: str) -> Instruction | None:
     return None
   name, rest = match.groups()
   if rest.startswith("("):
-    end = _groups.balanced_end(rest, 0)
+    end = balanced_end(rest, 0)
     shape, tail = rest[:end], rest[end:].lstrip()
   else:
     shape, _, tail = rest.partition(" ")
@@ -139,7 +138,7 @@ def parse_instruction(line: str) -> Instruction | None:
   if not paren or not re.fullmatch(r"[a-z][a-z0-9\-]*", opcode):
     return None
   open_at = len(opcode)
-  close_at = _groups.balanced_end(tail, open_at)
+  close_at = balanced_end(tail, open_at)
   inside = tail[open_at + 1 : close_at - 1]
   operands = tuple(_operand_name(op) for op in _split_top_level(inside) if op)
   attributes = tail[close_at:]
@@ -414,21 +413,6 @@ class HloModule:
     visit(self.entry, (), False, frozenset())
     return out
 
-  def replica_groups(self, instruction: Instruction) -> _groups.Groups:
-    """An instruction's device groups, as flattened device ids
-    (``replica * num_partitions + partition``: positions in the
-    executable's device assignment); ``()`` when it has none or they cannot
-    be read (see `optax_accum._groups`)."""
-    groups = _groups.parse(instruction.attributes)
-    if groups is None:
-      return ()
-    return _groups.device_groups(
-      groups,
-      mode=_groups.group_mode(instruction.opcode, instruction.attributes),
-      replicas=self.replica_count,
-      partitions=self.num_partitions,
-    )
-
   def site_bytes(self, site: Site) -> tuple[int, int]:
     """(operand bytes, result bytes) of the collective at `site`.
 
@@ -476,3 +460,14 @@ class HloModule:
     """Bytes of an instruction's result; for an async ``-start``, of the
     matching ``-done``'s result."""
     return shape_bytes(self.done_shape(computation, instruction))
+
+
+def balanced_end(text: str, start: int) -> int:
+  """Index just past the bracket group opening at ``text[start]`` (the
+  end of `text` if it does not close)."""
+  depth = 0
+  for i in range(start, len(text)):
+    depth += {"(": 1, ")": -1}.get(text[i], 0)
+    if depth == 0:
+      return i + 1
+  return len(text)

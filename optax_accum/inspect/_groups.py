@@ -34,6 +34,8 @@ import re
 
 import numpy as np
 
+from optax_accum.inspect._hlo import HloModule, Instruction, balanced_end
+
 Groups = tuple[tuple[int, ...], ...]
 
 _INTS = re.compile(r"-?\d+")
@@ -298,12 +300,16 @@ def _along(devices: np.ndarray, refs: list[tuple[int, int, int]]) -> Groups:
   return _rows(regrouped.reshape(-1, per_group))
 
 
-def balanced_end(text: str, start: int) -> int:
-  """Index just past the bracket group opening at ``text[start]`` (the
-  end of `text` if it does not close); shared with ``_hlo``."""
-  depth = 0
-  for i in range(start, len(text)):
-    depth += {"(": 1, ")": -1}.get(text[i], 0)
-    if depth == 0:
-      return i + 1
-  return len(text)
+def of_instruction(hlo: HloModule, instruction: Instruction) -> Groups:
+  """An instruction's device groups, as flattened device ids
+  (``replica * num_partitions + partition``: positions in the executable's
+  device assignment); ``()`` when it has none or they cannot be read."""
+  groups = parse(instruction.attributes)
+  if groups is None:
+    return ()
+  return device_groups(
+    groups,
+    mode=group_mode(instruction.opcode, instruction.attributes),
+    replicas=hlo.replica_count,
+    partitions=hlo.num_partitions,
+  )

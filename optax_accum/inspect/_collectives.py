@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from optax_accum import _groups, _hlo
+from optax_accum.inspect import _groups, _hlo
 
 # Reductions of a gradient: what accumulation should defer.
 REDUCTION_OPCODES = ("all-reduce", "reduce-scatter")
@@ -134,7 +134,7 @@ def collectives(step: Any, *args: Any, **kwargs: Any) -> list[Collective]:
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> from optax_accum import collectives
+    >>> from optax_accum.inspect import collectives
     >>> n = jax.device_count()  # 8 in the test suite
     >>> mesh = jax.make_mesh((n,), ("data",))
     >>> x = jax.device_put(jnp.ones((n, 256)), NamedSharding(mesh, P("data")))
@@ -172,7 +172,7 @@ def _records(hlo: _hlo.HloModule) -> list[Collective]:
         name=inst.name,
         computation=site.computation,
         shape=inst.shape,
-        replica_groups=hlo.replica_groups(site.collective or inst),
+        replica_groups=_groups.of_instruction(hlo, site.collective or inst),
       )
     )
   return out
@@ -190,7 +190,7 @@ def format_collectives(records: list[Collective]) -> str:
     4 devices; empty for ops without groups) and its name.
 
   Examples:
-    >>> from optax_accum import Collective
+    >>> from optax_accum.inspect import Collective
     >>> print(format_collectives([Collective("all-reduce", 4096, 4096, 4096,
     ...   True, False, False, "all-reduce.1", "main", "f32[1024]",
     ...   ((0, 1, 2, 3), (4, 5, 6, 7)))]))
@@ -287,7 +287,7 @@ def assert_reduction_deferred(
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> from optax_accum import assert_reduction_deferred
+    >>> from optax_accum.inspect import assert_reduction_deferred
     >>> n = jax.device_count()  # 8 in the test suite
     >>> mesh = jax.make_mesh((n,), ("data",))
     >>> x = jax.device_put(jnp.ones((n, 256)), NamedSharding(mesh, P("data")))

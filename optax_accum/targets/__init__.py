@@ -11,11 +11,11 @@ What it needs, besides jax: the CUDA plugin of the same version installed
 without its NVIDIA libraries (only its compiler is used), libtpu, and
 ``JAX_PLATFORMS=cpu`` set before JAX starts, so that the CUDA plugin looks
 for no driver. :func:`requirements` names the packages for the installed
-jax; ``python -m optax_accum._targets`` prints them for ``pip install
+jax; ``python -m optax_accum.targets`` prints them for ``pip install
 --no-deps``. The test suite installs them apart from the package's own
 environment and compiles in subprocesses (``tests/test_accelerators.py``).
 
-The H100 is described by ``targets/h100_sxm.txtpb``, written from NVIDIA's
+The H100 is described by ``h100_sxm.txtpb`` (beside this file), written from NVIDIA's
 published figures with a CUDA runtime of 12.8: XLA:GPU puts conditionals
 in CUDA command buffers from 12.3 on.
 """
@@ -26,7 +26,7 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-TARGET_DIR = pathlib.Path(__file__).resolve().parent / "targets"
+TARGET_DIR = pathlib.Path(__file__).resolve().parent
 
 
 class Target(NamedTuple):

@@ -21,12 +21,13 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _sharding, _unreduced
+from optax_accum import _unreduced
 from optax_accum._state import (
   DEVICE_LOCAL_FIELDS,
   AccumulateState,
   is_accumulate_state,
 )
+from optax_accum.distributed import _sharding
 
 
 def _device_local_mask(state: AccumulateState) -> AccumulateState:
@@ -89,7 +90,7 @@ def shard_map_specs(
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optax_accum
     >>> tx = optax_accum.accumulate(optax.sgd(0.1), 4, axis_name="data")
-    >>> specs = optax_accum.shard_map_specs(
+    >>> specs = optax_accum.distributed.shard_map_specs(
     ...     jax.eval_shape(tx.init, jnp.zeros(3)), "data")
     >>> print(specs.acc_grads, specs.acc_weight, specs.step, specs.inner_state)
     P('data',) P('data',) P() P()
@@ -201,7 +202,7 @@ def reduce_state(opt_state: Any) -> Any:
   Orbax refuses to save it. This returns the same state with each such leaf
   replaced by its sum over the devices (one all-reduce per leaf), laid out
   like the params. To go on from it, put it back with the state's own
-  shardings: ``jax.device_put(restored, optax_accum.state_shardings(tx,
+  shardings: ``jax.device_put(restored, optax_accum.distributed.state_shardings(tx,
   params))`` places the whole sum on the first device of the data axis and
   zeros on the others (no communication).
 
@@ -226,7 +227,7 @@ def reduce_state(opt_state: Any) -> Any:
     >>> state = tx.init(params)
     >>> print(jax.typeof(state.acc_grads))
     float32[3]{U:data}
-    >>> print(jax.typeof(optax_accum.reduce_state(state).acc_grads))
+    >>> print(jax.typeof(optax_accum.distributed.reduce_state(state).acc_grads))
     float32[3]
   """
   return jax.tree.map(_reduced_leaf, opt_state)

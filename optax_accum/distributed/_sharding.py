@@ -143,7 +143,7 @@ def state_shardings(
     >>> params = {"w": jax.device_put(jnp.zeros((8, 2)),
     ...                               NamedSharding(mesh, P("data")))}
     >>> tx = optax_accum.accumulate(optax.adam(1e-3), every_k=4)
-    >>> shardings = optax_accum.state_shardings(tx, params)
+    >>> shardings = optax_accum.distributed.state_shardings(tx, params)
     >>> print(shardings.acc_grads["w"].spec, shardings.micro_step.spec)
     P('data',) P()
     >>> print(shardings.inner_state[0].mu["w"].spec)
