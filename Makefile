@@ -28,8 +28,8 @@ $(ACCEL_STAMP): $(STAMP)
 	touch $(ACCEL_STAMP)
 
 lint: $(STAMP)
-	$(PY) -m ruff check optax_accum tests examples benchmarks
-	$(PY) -m ruff format --check optax_accum tests examples benchmarks
+	$(PY) -m ruff check optax_accum tests examples benchmarks tools
+	$(PY) -m ruff format --check optax_accum tests examples benchmarks tools
 
 # Two workers: the CI machine has 2 cores and the suite is mostly
 # single-threaded compiles. loadscope keeps a module's tests (and its

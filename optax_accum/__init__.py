@@ -22,9 +22,9 @@ from optax_accum import _versions  # noqa: F401
 
 # isort: split
 from optax_accum._accumulate import accumulate as accumulate
-from optax_accum._accumulate import inner_for_every_k as inner_for_every_k
 from optax_accum._apply import apply_updates as apply_updates
 from optax_accum._every_k import grow_every_k as grow_every_k
+from optax_accum._every_k import inner_for_every_k as inner_for_every_k
 from optax_accum._every_k import piecewise_every_k as piecewise_every_k
 from optax_accum._microbatch import microbatch as microbatch
 from optax_accum._noise_scale import noise_scale as noise_scale
@@ -76,7 +76,7 @@ _MOVED = {
 
 # Namespaces imported on first use, so that `import optax_accum` stays light
 # (no HLO reader, no flax) while `optax_accum.inspect.collectives` works.
-_NAMESPACES = ("distributed", "flax", "inspect", "targets", "types")
+_NAMESPACES = ("distributed", "inspect", "multisteps", "targets", "types")
 
 
 def __getattr__(name: str):

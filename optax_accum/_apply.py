@@ -6,14 +6,20 @@ updates are zeros: on an accelerator that is as many bytes again as the
 gradient's add into the accumulator. :func:`apply_updates` applies them only
 when they were emitted.
 
-A traced ``accumulate`` call given `params` already computes, in the
-conditional that closes a cycle, the params with the updates applied (and
-passes them through untouched on a micro-step). It records, for the duration
-of the trace, which arrays it returned; :func:`apply_updates`, given exactly
-those updates and params, returns that result, so the step holds no other
-conditional and XLA drops whichever of the two results goes unused. Given
-anything else (updates transformed after ``accumulate``, other params), it
-applies what it is given, inside a conditional of its own.
+The record between ``update`` and ``apply_updates`` (the contract). A traced
+``accumulate`` update given `params` computes, in the conditional that
+closes a cycle, the params with the updates applied (and passes them
+through untouched on a micro-step): applying them there, before the
+accumulator's buffer returns to zeros, is what keeps a micro-step free of
+copies. The update records, for the duration of the trace, which arrays it
+returned (:func:`remember`, a module-level table keyed by the first update
+leaf, whose entry goes when that tracer goes). :func:`apply_updates`, given
+exactly those update arrays and params, returns that result, and XLA drops
+whichever of the two results goes unused. Given anything else (updates
+transformed after ``accumulate``, as an ``optax.chain`` member after it
+does, or other params) it applies what it is given inside a conditional of
+its own: the same values, in a program that may copy the accumulator on
+micro-steps; ``optax_accum.inspect.check_step`` reports it.
 """
 
 import weakref
@@ -106,16 +112,17 @@ def apply_updates(
   Args:
     params: The params, as for ``optax.apply_updates``.
     updates: The updates returned with `opt_state`.
-    opt_state: The optimizer state returned with `updates`, holding exactly
-      one :class:`AccumulateState` (itself, or inside an ``optax.chain``,
-      ``inject_hyperparams`` or a ``flax.nnx.Optimizer``'s ``opt_state``).
+    opt_state: The optimizer state returned with `updates`: one that holds
+      an :class:`AccumulateState` (itself, or inside an ``optax.chain``,
+      ``inject_hyperparams`` or a ``flax.nnx.Optimizer``'s ``opt_state``),
+      or one that holds none (a trainer with accumulation switched off),
+      for which this is ``optax.apply_updates(params, updates)``.
 
   Returns:
     The new params, with the dtypes of `params`.
 
   Raises:
-    TypeError: If `opt_state` holds no :class:`AccumulateState`.
-    ValueError: If it holds several.
+    ValueError: If `opt_state` holds several :class:`AccumulateState`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optax_accum
@@ -132,7 +139,9 @@ def apply_updates(
     [0. 0.]
     [-2. -2.]
   """
-  state = find_state(opt_state, "apply_updates")
+  state = find_state(opt_state, "apply_updates", missing_ok=True)
+  if state is None:  # No accumulation: every call is an optimizer step.
+    return optax.apply_updates(params, updates)
   record = _recall(updates)
   if record is not None and isinstance(record.emitted, bool):
     return optax.apply_updates(params, updates) if record.emitted else params

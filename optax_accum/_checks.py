@@ -1,15 +1,23 @@
-"""Construction-time argument checks shared by the public factories.
+"""Every argument check: the public factories' and ``update``'s.
 
 Each raises a `TypeError` or `ValueError` whose message names the argument in
-backticks and shows the value received.
+backticks and shows the value received. Construction-time values are checked
+when the factory is called; an ``update``'s trees, shapes and dtypes when it
+is traced, and its weights where they are concrete.
 """
 
+import functools
 import operator
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+
+from optax_accum._noise_scale import NoiseStats
+from optax_accum._state import AccumulateState, NoiseScaleState
 
 
 def positive_int(value: Any, name: str, hint: str = "") -> int:
@@ -129,3 +137,388 @@ def real_scalar(value: Any, subject: str, what: str = "") -> jax.Array:
 def is_traced(tree: Any) -> bool:
   """Whether any leaf of `tree` is a tracer (we are inside a transformation)."""
   return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+
+
+# ----------------------------------------------------------------------------
+# accumulate(): construction.
+# ----------------------------------------------------------------------------
+
+REDUCTIONS = ("mean", "sum")
+GRADIENTS = ("mean", "sum")
+
+
+def transformation(inner: Any) -> optax.GradientTransformationExtraArgs:
+  """`inner` with extra-args support; raises naming `inner` otherwise."""
+  init, update = (getattr(inner, name, None) for name in ("init", "update"))
+  if not (callable(init) and callable(update)):
+    hint = ""
+    if isinstance(inner, optax.GradientTransformation):
+      hint = " Its `init` and `update` must both be callable."
+    elif callable(inner):
+      name = getattr(inner, "__name__", "the factory")
+      hint = f" Did you mean to call it, e.g. `{name}(1e-3)`?"
+    raise TypeError(
+      "`inner` must be an optax.GradientTransformation, e.g."
+      f" `optax.adam(1e-3)`; got {inner!r} of type"
+      f" {type(inner).__name__}.{hint}"
+    )
+  if not isinstance(inner, optax.GradientTransformation):
+    inner = optax.GradientTransformation(init, update)
+  return optax.with_extra_args_support(inner)
+
+
+def options(reduction: Any, axis_name: Any, gradients: Any) -> None:
+  """Checks the string and axis options of ``accumulate``."""
+  if reduction not in REDUCTIONS:
+    raise ValueError(
+      f"`reduction` must be one of {REDUCTIONS}, got {reduction!r}."
+    )
+  if gradients not in GRADIENTS:
+    raise ValueError(
+      f"`gradients` must be one of {GRADIENTS} (what each micro-batch"
+      f" gradient is over its `weight`), got {gradients!r}."
+    )
+  if axis_name is not None and not isinstance(axis_name, Hashable):
+    raise TypeError(
+      "`axis_name` must be None or a hashable axis name (str or tuple),"
+      f" got {axis_name!r}."
+    )
+
+
+def reduce_dtype(value: Any, axis_name: Any) -> Any:
+  """`reduce_dtype` as a floating dtype or None; raises naming it."""
+  if value is None:
+    return None
+  if axis_name is None:
+    raise ValueError(
+      "`reduce_dtype` sets the dtype in which the accumulated gradient"
+      " crosses devices, which needs `axis_name`; got reduce_dtype="
+      f"{value!r} without an axis_name."
+    )
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+      "`reduce_dtype` must be None or a floating dtype such as"
+      f" `jnp.bfloat16`, got {value!r}."
+    )
+  return dtype
+
+
+# ----------------------------------------------------------------------------
+# update(): its arguments, at trace time.
+# ----------------------------------------------------------------------------
+
+
+class Call(NamedTuple):
+  """The arguments of one ``update`` call, checked."""
+
+  weight: jax.Array | None  # float32[]; None when no weight was given
+  flush: jax.Array  # bool[]
+  may_flush: bool  # `flush` was not a Python False (that needs no agreeing)
+  emit: bool | None  # the caller's static decision, if any
+  noise_stats: NoiseStats | None
+
+
+def update_call(
+  config: Any,
+  engine: Any,
+  *,
+  weight: Any,
+  flush: Any,
+  emit: Any,
+  noise_stats: Any,
+) -> Call:
+  """Checks an ``update``'s options; `config` is ``accumulate``'s.
+
+  Called before any ``jit`` of the update, so that concrete values are
+  seen.
+  """
+  return Call(
+    weight=None if weight is None else _weight(weight, config.skip_nonfinite),
+    flush=_flush(flush),
+    may_flush=flush is not False,
+    emit=_emit(emit, flush),
+    noise_stats=_noise_stats(config, engine, noise_stats),
+  )
+
+
+def state(value: Any, track_noise_scale: bool) -> None:
+  """Raises unless `value` is an ``AccumulateState`` of this configuration."""
+  if not isinstance(value, AccumulateState):
+    raise TypeError(
+      "`state` must be the AccumulateState returned by this"
+      f" transformation's init, got {type(value).__name__}."
+    )
+  _not_a_foreign_restore(value)
+  tracked = isinstance(value.noise, NoiseScaleState)
+  if tracked != track_noise_scale:
+    raise ValueError(
+      "`state` was made by an accumulate with"
+      f" track_noise_scale={tracked}, but this one has"
+      f" track_noise_scale={track_noise_scale}."
+    )
+
+
+def _not_a_foreign_restore(value: AccumulateState) -> None:
+  """Raises if a concrete state holds a sum with no cycle under way.
+
+  No call leaves that (a cycle's end leaves zeros and weight 0; optax_accum
+  0.1 on CPU left its weight too): it is what a restore that fills a
+  ``MultiSteps`` checkpoint's missing fields from a fresh target gives,
+  ``MultiSteps``' running mean beside a fresh counter and inner state.
+  """
+  if is_traced((value.micro_step, value.acc_weight)):
+    return
+  if int(value.micro_step) != 0 or float(value.acc_weight) != 0:
+    return
+  leaves = jax.tree.leaves(value.acc_grads)
+  if is_traced(leaves) or not all(
+    getattr(x, "is_fully_addressable", True) for x in leaves
+  ):
+    return
+  try:
+    nonzero = any(bool(jnp.any(x != 0)) for x in leaves)
+  except Exception:  # noqa: BLE001  (an unreduced array reads only in jit)
+    return
+  if not nonzero:
+    return
+  raise ValueError(
+    "`state` holds a non-zero acc_grads with micro_step 0 and acc_weight 0,"
+    " which no accumulate call leaves: it looks like an optax.MultiSteps"
+    " checkpoint restored into an accumulate target, with MultiSteps'"
+    " running mean in acc_grads and a fresh inner state. Restore with the"
+    " MultiSteps optimizer's target, then convert with"
+    " optax_accum.multisteps.from_multisteps(ms_state, tx.init(params))."
+  )
+
+
+def tree_matches(name: str, tree: Any, acc_grads: Any) -> list:
+  """Raises naming `name` and the first leaf where the tree or a shape
+  differs from the accumulator's (the params given to `init`).
+
+  Returns:
+    ``(key path, leaf, accumulator leaf)`` of every leaf.
+  """
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  acc_flat, acc_def = jax.tree_util.tree_flatten_with_path(acc_grads)
+  if treedef != acc_def:
+    paths = [jax.tree_util.keystr(p) for p, _ in flat]
+    acc_paths = [jax.tree_util.keystr(p) for p, _ in acc_flat]
+    missing = sorted(set(acc_paths) - set(paths))
+    extra = sorted(set(paths) - set(acc_paths))
+    raise ValueError(
+      f"`{name}` must have the tree structure of the params given to"
+      f" `init`; missing leaves: {missing or 'none'}, unexpected leaves:"
+      f" {extra or 'none'}. Got structure {treedef}, expected {acc_def}."
+    )
+  leaves = []
+  for (path, x), (_, a) in zip(flat, acc_flat, strict=True):
+    where = jax.tree_util.keystr(path)
+    if np.shape(x) != np.shape(a):
+      raise ValueError(
+        f"`{name}` leaf {where} has shape {np.shape(x)}, but the params"
+        f" given to `init` have shape {np.shape(a)} there."
+      )
+    leaves.append((where, x, a))
+  return leaves
+
+
+def _dtype_of(x: Any) -> Any:
+  # `.dtype` first: jax.grad's float0 zeros are NumPy arrays JAX cannot read.
+  return np.dtype(x.dtype) if hasattr(x, "dtype") else jnp.result_type(x)
+
+
+def state_fits(grads: Any, params: Any, acc_grads: Any) -> None:
+  """Raises naming `state` when the gradients and the params agree with
+  each other but not with the state (made by init for other params)."""
+  if params is None:
+    return
+  tree = jax.tree.structure(grads)
+  if tree == jax.tree.structure(acc_grads):
+    return
+  if jax.tree.structure(gradient_params(params)) != tree:
+    return  # Not the state's fault alone: grads_match names `updates`.
+  raise ValueError(
+    "`state` was made by init for params of another tree: its accumulator"
+    f" has the structure {jax.tree.structure(acc_grads)}, but `updates` and"
+    f" `params` both have {tree}. Pass the state that this model's params"
+    " were given to `init` (a restored checkpoint of another model?)."
+  )
+
+
+def grads_match(grads: Any, acc_grads: Any) -> None:
+  """Raises naming the first leaf where the trees, shapes or kinds differ."""
+  for where, g, a in tree_matches("updates", grads, acc_grads):
+    if jnp.iscomplexobj(g) and not jnp.iscomplexobj(a):
+      raise TypeError(
+        f"`updates` leaf {where} is complex ({jnp.result_type(g)}) but the"
+        " params given to `init` are real there: the imaginary part would"
+        " be lost. Take real gradients, or make those params complex."
+      )
+    # Python ints too: the mean would be emitted in their dtype, truncated.
+    dtype = _dtype_of(g)
+    if jnp.issubdtype(a.dtype, jnp.inexact) and not jnp.issubdtype(
+      dtype, jnp.inexact
+    ):
+      raise TypeError(
+        f"`updates` leaf {where} has dtype {dtype}, but its accumulator is"
+        f" {a.dtype}: gradients must be floating (or complex). An integer"
+        " or boolean gradient is usually something else passed by mistake"
+        " (a mask, labels, a count); to accumulate such values on purpose,"
+        " cast them first, e.g. `g.astype(jnp.float32)`."
+      )
+
+
+def gradient_params(params: Any) -> Any:
+  """The params the gradients are taken with respect to.
+
+  ``optax.lookahead`` keeps ``LookaheadParams(fast, slow)`` and expects
+  gradients with respect to ``fast`` only.
+  """
+  if isinstance(params, optax.LookaheadParams):
+    return params.fast
+  return params
+
+
+def params_match(params: Any, acc_grads: Any) -> None:
+  """Raises naming `params` where they are not the params given to `init`
+  (the inner optimizer reads them, and apply_updates adds to them)."""
+  if params is not None:
+    tree_matches("params", gradient_params(params), acc_grads)
+
+
+def _weight(weight: Any, skip_nonfinite: bool) -> jax.Array:
+  """`weight` as a float32[]; raises naming it. A concrete negative weight
+  raises, and so does a concrete NaN or Inf unless `skip_nonfinite` (which
+  drops that micro-batch); a traced one is used as given."""
+  w = real_scalar(weight, "`weight` must be", " (one value per micro-batch)")
+  if not isinstance(w, jax.core.Tracer):
+    value = np.asarray(w)
+    if value < 0:
+      raise ValueError(f"`weight` must be >= 0, got {value}.")
+    if not (np.isfinite(value) or skip_nonfinite):
+      raise ValueError(
+        f"`weight` must be finite, got {value}: the cycle's mean would be"
+        " NaN. Build accumulate with `skip_nonfinite=True` to drop such"
+        " micro-batches instead."
+      )
+  return w.astype(jnp.float32)
+
+
+def _flush(flush: Any) -> jax.Array:
+  """`flush` as a bool[]; raises naming it."""
+  try:
+    is_bool_scalar = not (flush is None or isinstance(flush, str | bytes)) and (
+      jnp.result_type(flush) == jnp.bool_ and jnp.ndim(flush) == 0
+    )
+  except (TypeError, ValueError):  # a list, an arbitrary object
+    is_bool_scalar = False
+  if not is_bool_scalar:
+    raise TypeError(
+      "`flush` must be a boolean scalar (True ends the cycle at this call),"
+      f" got {flush!r} of type {type(flush).__name__}."
+    )
+  return jnp.asarray(flush)
+
+
+def _emit(emit: Any, flush: Any) -> bool | None:
+  """`emit` as None or a Python bool; raises naming it."""
+  if emit is None:
+    return None
+  if not isinstance(emit, bool | np.bool_):
+    raise TypeError(
+      "`emit` must be None (the counter decides on the device) or a Python"
+      " bool known when the step is traced, e.g. `jax.jit(step,"
+      f" static_argnames='emit')`; got {emit!r} of type"
+      f" {type(emit).__name__}."
+    )
+  if flush is not False:
+    raise ValueError(
+      "`flush` cannot be combined with `emit`: a call with `emit=True`"
+      " already ends the cycle, whatever its length. Pass `emit=True`"
+      f" instead of `flush`; got flush={flush!r} with emit={emit!r}."
+    )
+  return bool(emit)
+
+
+def _noise_stats(config: Any, engine: Any, noise_stats: Any) -> Any:
+  """`noise_stats` where the engine needs them; raises naming them."""
+  if noise_stats is None:
+    if config.track_noise_scale and not engine.measures_noise:
+      raise ValueError(
+        "`noise_stats` must be given with `track_noise_scale=True` and"
+        f" gradients unreduced over {config.axis_name!r} under plain"
+        " `jax.jit`: the unreduced gradient hides each device's own"
+        " gradient and token count. Make the gradients with"
+        " `optax_accum.distributed.local_value_and_grad(...,"
+        " noise_stats=True)` and pass its stats as `update(...,"
+        " noise_stats=stats)`."
+      )
+    return None
+  if not config.track_noise_scale:
+    raise ValueError(
+      "`noise_stats` was given, but this accumulate was built with"
+      " `track_noise_scale=False`: build it with `track_noise_scale=True`"
+      " or leave the argument out."
+    )
+  if engine.measures_noise:
+    raise ValueError(
+      "`noise_stats` is only for gradients unreduced over `axis_name` under"
+      " plain `jax.jit`; here accumulate measures each gradient itself:"
+      " leave the argument out."
+    )
+  if not isinstance(noise_stats, NoiseStats):
+    raise TypeError(
+      "`noise_stats` must be the optax_accum.distributed.NoiseStats"
+      " returned by `local_value_and_grad(..., noise_stats=True)`, got"
+      f" {type(noise_stats).__name__}."
+    )
+  return noise_stats
+
+
+# ----------------------------------------------------------------------------
+# Arguments of optax.MultiSteps, and what to pass instead.
+# ----------------------------------------------------------------------------
+
+MULTISTEPS_ARGUMENTS = {
+  "opt": "pass the optimizer as `inner` (the first argument)",
+  "every_k_schedule": (
+    "pass `every_k` (the second argument): an int, or a schedule"
+    " `every_k(step)` of the optimizer step as every_k_schedule is"
+  ),
+  "use_grad_mean": (
+    'pass `reduction`: use_grad_mean=True is reduction="mean" (the'
+    ' default), use_grad_mean=False is reduction="sum"'
+  ),
+  "should_skip_update_fn": (
+    "pass `skip_nonfinite=True` for optax.skip_not_finite; other"
+    " predicates (e.g. optax.skip_large_updates) have no equivalent: give"
+    " such a micro-batch `weight=0` (it still counts toward k) or leave"
+    " out its call"
+  ),
+}
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def names_multisteps_arguments(factory: Callable[_P, _R]) -> Callable[_P, _R]:
+  """`factory`, whose callers get a TypeError that names the equivalent for
+  a keyword argument of optax.MultiSteps (Python's own message would only
+  say that the keyword is unexpected)."""
+
+  @functools.wraps(factory)
+  def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+    for name, value in kwargs.items():
+      if name in MULTISTEPS_ARGUMENTS:
+        raise TypeError(
+          f"`{name}` is an argument of optax.MultiSteps, not of"
+          f" accumulate (got {name}={value!r}): {MULTISTEPS_ARGUMENTS[name]}."
+          " See help(optax_accum.multisteps)."
+        )
+    return factory(*args, **kwargs)
+
+  return checked

@@ -1,11 +1,19 @@
-"""Varying manual axes inside ``shard_map``, across JAX versions.
+"""Control flow that compilers keep, and every XLA workaround, in one place.
 
-Inside ``jax.shard_map`` with ``check_vma=True`` (the default) every value's
-type records the mesh axes it varies over. A ``psum`` removes the axis from
-the type, so the two branches of a conditional that reduces in one branch
-only would disagree on types. These helpers read and widen that set; outside
-``shard_map`` (and under ``vmap``) every value varies over no axis and they
-change nothing.
+Two parts:
+
+* **Varying manual axes** (inside ``jax.shard_map`` with ``check_vma=True``,
+  every value's type records the mesh axes it varies over; a ``psum``
+  removes the axis, so the branches of a conditional that reduces in one
+  branch only would disagree): :func:`varying_axes`, :func:`vary_over`,
+  :func:`varies_over`, :func:`switch` and :func:`cond`. Outside
+  ``shard_map`` (and under ``vmap``) they change nothing.
+* **XLA workarounds.** Each function below the line says what XLA does
+  without it (seen with jax/jaxlib 0.10.2), and which test fails when the
+  plain form replaces it. At its call site each looks like a no-op or an
+  odd detour, which is why each has a name: replacing one by the obvious
+  code costs a parameter-sized copy or an optimizer run on every
+  micro-step, and only a compiled-program test notices.
 """
 
 from collections.abc import Callable, Hashable, Sequence
@@ -16,9 +24,9 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def axis_names(axis_name: Hashable) -> frozenset:
+def axis_tuple(axis_name: Hashable) -> tuple:
   """The axis names in `axis_name` (one name or a tuple of names)."""
-  return frozenset(axis_name if isinstance(axis_name, tuple) else (axis_name,))
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
 def varying_axes(aval: Any) -> frozenset:
@@ -36,9 +44,13 @@ def vary_over(x: Any, axes: frozenset) -> Any:
   missing = tuple(sorted(axes - varying_axes(jax.typeof(x)), key=str))
   if not missing:
     return x
-  if hasattr(lax, "pcast"):
-    return lax.pcast(x, missing, to="varying")
-  return lax.pvary(x, missing)  # older jax
+  return lax.pcast(x, missing, to="varying")
+
+
+def varies_over(tree: Any, axis_name: Hashable) -> bool:
+  """Whether any leaf of `tree` varies over an axis of `axis_name`."""
+  names = frozenset(axis_tuple(axis_name))
+  return any(names & varying_axes(jax.typeof(x)) for x in jax.tree.leaves(tree))
 
 
 def switch(index: Any, branches: Sequence[Callable], *operands: Any):
@@ -65,25 +77,111 @@ def switch(index: Any, branches: Sequence[Callable], *operands: Any):
   return lax.switch(index, [unify(f) for f in branches], *operands)
 
 
-def cond(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any):
-  """``lax.cond`` that compilers keep, and that may vary its outputs as
-  :func:`switch` does.
+# ----------------------------------------------------------------------------
+# XLA workarounds.
+# ----------------------------------------------------------------------------
 
-  Lowered as ``lax.switch`` on an ``int32`` index with `false_fun` as HLO
-  branch 0, for two reasons seen in XLA:GPU. A ``lax.cond`` index is
-  ``convert(pred)``, which the algebraic simplifier folds back into a
-  predicate; the conditional simplifier then inlines a predicate
-  conditional whose branches are all elementwise into selects, so both
-  branches run on every call (an optimizer on every micro-step). And a
-  pass-through branch that is not branch 0 makes copy insertion copy the
-  operands it passes through. The clamp ``lax.switch`` puts on its index
-  keeps it an integer, and the holding branch stays branch 0.
+
+def cond(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any):
+  """``lax.cond`` that compilers keep, with `false_fun` (the branch that
+  holds) as HLO branch 0; its outputs vary as :func:`switch`'s do.
+
+  XLA:GPU, with ``lax.cond``: its index is ``convert(pred)``, which the
+  algebraic simplifier folds back into a predicate; the conditional
+  simplifier then inlines a predicate conditional whose branches are all
+  elementwise into selects, so both branches run on every call (the inner
+  optimizer on every micro-step). And a pass-through branch that is not
+  branch 0 makes copy insertion copy the operands it passes through. An
+  ``int32`` index (``lax.switch`` clamps it, so it stays an integer) with
+  the holding branch first avoids both. Held by
+  ``tests/test_accelerators.py`` (plants ``lax_cond`` and
+  ``holding_branch_last``).
   """
   index = jnp.asarray(pred).astype(jnp.int32)
   return switch(index, (false_fun, true_fun), *operands)
 
 
-def varies_over(tree: Any, axis_name: Hashable) -> bool:
-  """Whether any leaf of `tree` varies over an axis of `axis_name`."""
-  names = axis_names(axis_name)
-  return any(names & varying_axes(jax.typeof(x)) for x in jax.tree.leaves(tree))
+def cleared(flag: jax.Array, tree: Any, ops: Any) -> Any:
+  """Zeros in place of `tree` where the scalar `flag` is true (callers pass
+  a flag that is true where this runs).
+
+  A select that reads `tree`, not constant zeros: XLA merges equal
+  constants into one value, and outputs that share one value, or that are
+  computed from nothing they could be written over, are copied into the
+  step's output buffers, on micro-steps too. NaN-safe, unlike ``0 * x``.
+  Held by ``tests/test_accelerators.py`` (no parameter-sized copy on a
+  micro-step).
+  """
+  return jax.tree.map(lambda x: ops.select(flag, ops.zero(x), x), tree)
+
+
+def traced_true(count: jax.Array) -> jax.Array:
+  """``True``, from a non-negative counter XLA cannot see is non-negative.
+
+  For :func:`cleared` where the caller knows at trace time that the flag is
+  true (``emit=True``): a constant ``True`` makes the select constant zeros
+  again, with the copies :func:`cleared` avoids.
+  """
+  return count >= 0
+
+
+def distinct_zeros(types: Sequence[Any], flag: jax.Array, zeros: Callable):
+  """Zeros of each of `types`, as a traced value per leaf.
+
+  For the updates a holding branch returns when the emitting branch writes
+  them into buffers of their own. Constant zeros would be one merged value,
+  which each output of the conditional then copies (see :func:`cleared`);
+  ``zeros(t) * where(flag, i + 1, 0)`` with a `flag` that is false in that
+  branch gives XLA a different value per leaf that it cannot fold. When the
+  caller applies the updates with :func:`optax_accum.apply_updates` they
+  are unused and XLA drops them.
+  """
+  return [
+    zeros(t) * jnp.where(flag, i + 1.0, 0.0).astype(t.dtype)
+    for i, t in enumerate(types)
+  ]
+
+
+def times_inverse(x: jax.Array, inverse: jax.Array) -> jax.Array:
+  """``x * inverse`` for a mean ``x / total``: a multiply, not a divide.
+
+  XLA duplicates a cheap elementwise op into every consumer fusion of the
+  inner optimizer, but materialises a divide into a parameter-sized buffer
+  first.
+  """
+  return x * inverse.astype(x.dtype)
+
+
+def psum_with_scalars(
+  leaves: list, scalars: tuple, axis_name: Hashable, per_leaf: bool
+) -> tuple[list, tuple]:
+  """``psum`` of accumulator `leaves` and a few `scalars` over `axis_name`.
+
+  ``per_leaf``: one reduction per leaf, so that each may start as soon as
+  its own gradient is added (a static emission, where nothing else orders
+  them), the scalars joined to the last leaf's reduction as a tuple; on
+  their own, or joined to a leaf as values, XLA concatenates them onto a
+  leaf, copying it. Otherwise (inside a conditional, where everything waits
+  for the branch anyway) one reduction of everything, for the same reason.
+  Held by ``tests/test_accelerators.py`` (plant ``one_reduction``; no copy
+  in the emitting branch).
+  """
+  if not per_leaf:
+    return lax.psum((leaves, scalars), axis_name)
+  reduced = [lax.psum(a, axis_name) for a in leaves[:-1]]
+  last, scalars = lax.psum((leaves[-1:], scalars), axis_name)
+  return reduced + last, scalars
+
+
+def in_own_conditional(
+  enter: jax.Array, fun: Callable, default: Any, *operands: Any
+) -> Any:
+  """``fun(*operands)`` where `enter`, else `default`, in a conditional of
+  its own.
+
+  For a reduction over the accumulator that the emitting branch needs: in
+  that branch it would read the accumulator with no data dependency on the
+  inner optimizer's in-place writes into the same buffer, so XLA would copy
+  the whole accumulator in the holding branch on every call.
+  """
+  return cond(enter, fun, lambda *_: default, *operands)

@@ -1,72 +1,224 @@
-"""Which reduction engine an ``accumulate(..., axis_name=...)`` trace uses.
+"""How an ``accumulate`` trace sums over devices: one record per engine.
 
-One argument, two engines, chosen where ``init`` and ``update`` are traced:
+``axis_name`` is one argument with three engines, chosen where ``init`` and
+``update`` are traced (:func:`for_init`, :func:`for_update`), once per
+trace:
 
-* ``"shard_map"``: `axis_name` is bound (inside ``jax.shard_map``, ``pmap``
-  or a named ``vmap``). Each device's accumulator is its own partial sum and
-  the emitting branch sums over the axis with ``lax.psum``;
-* ``"unreduced"``: `axis_name` is not bound, but is an
+* :class:`Local`: no ``axis_name``. One device's sums; nothing to agree on
+  or reduce.
+* :class:`ShardMap`: ``axis_name`` is bound (inside ``jax.shard_map``,
+  ``pmap`` or a named ``vmap``). Each device's accumulator is its own
+  partial sum; devices agree on skips and flushes with ``pmin``/``pmax``,
+  and the emitting call sums with ``psum``.
+* :class:`Unreduced`: ``axis_name`` is not bound but is an
   ``AxisType.Explicit`` axis of the mesh set with ``jax.set_mesh`` (plain
-  ``jax.jit`` over a mesh). The gradients and the accumulator are typed
-  unreduced over the axis; the emitting branch sums once with
-  ``jax.reshard``;
-* ``"local"``: no `axis_name`.
+  ``jax.jit`` over a mesh). Gradients and accumulator are typed unreduced
+  over the axis, its scalars are global already, and the emitting call sums
+  with one ``jax.reshard``. Unreduced arrays allow only linear operations,
+  so its select, scale and finiteness test come from
+  :mod:`optax_accum._unreduced`.
 
-An :class:`Engine` also carries the few operations whose form differs between
-the engines: a select, a product with a scalar, a test of finiteness.
-Unreduced arrays only allow linear operations, so there these come from
-:mod:`optax_accum._unreduced`.
+The rest of the step calls the engine's methods and never asks which one it
+has.
 """
 
-from collections.abc import Hashable
-from typing import Any, NamedTuple
+import dataclasses
+from collections.abc import Callable, Hashable
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_accum import _unreduced
-
-LOCAL, SHARD_MAP, UNREDUCED = "local", "shard_map", "unreduced"
+from optax_accum import _control, _unreduced
 
 
-class Engine(NamedTuple):
-  """The engine of one trace (static)."""
+@dataclasses.dataclass(frozen=True)
+class Local:
+  """No ``axis_name``: one device's sums."""
 
-  kind: str  # LOCAL, SHARD_MAP or UNREDUCED
-  axis_name: Hashable | None
+  axis_name: Hashable | None = None
+  # Eager ops on this engine's arrays work (not on unreduced ones).
+  runs_eagerly: ClassVar[bool] = True
+  # The cycle's total weight is the same on every device before it is
+  # reduced (not inside shard_map, where each device has its own).
+  global_weight: ClassVar[bool] = True
+  # `accumulate` measures each gradient's norm for the noise scale itself
+  # (not unreduced gradients: `local_value_and_grad` measures them).
+  measures_noise: ClassVar[bool] = True
 
-  @property
-  def unreduced(self) -> bool:
-    return self.kind == UNREDUCED
+  # -- Elementwise forms (see _tree.add_term). -------------------------------
 
   def zero(self, x: Any) -> Any:
-    """A zero to select against `x`: a scalar, or unreduced zeros."""
-    if self.unreduced:
-      return jnp.zeros_like(x)  # keeps the unreduced type under jit
+    """A zero to select against `x`."""
     return jnp.zeros([], x.dtype)
 
   def select(self, pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     """``jnp.where`` with a replicated scalar `pred`."""
-    if self.unreduced:
-      return _unreduced.where(pred, on_true, on_false, self.axis_name)
     return jnp.where(pred, on_true, on_false)
 
   def scale(self, x: Any, factor: jax.Array) -> Any:
     """``x * factor`` for a replicated scalar `factor`."""
-    if self.unreduced:
-      return _unreduced.scale(x, factor, self.axis_name)
     return x * factor.astype(x.dtype)
 
   def all_finite(self, tree: Any) -> jax.Array:
-    """Whether every gradient element is finite: on this device (local,
-    shard_map) or on every device (unreduced, one scalar all-reduce)."""
-    if self.unreduced:
-      return _unreduced.all_finite(tree, self.axis_name)
+    """Whether every gradient element is finite (on every device whose
+    decision this is)."""
     finite = jnp.asarray(True)
     for g in jax.tree.leaves(tree):
       finite &= jnp.all(jnp.isfinite(g))
     return finite
+
+  # -- The cycle. ------------------------------------------------------------
+
+  def zeros_like_param(self, param: Any, dtype: Any) -> jax.Array:
+    """A zero accumulator leaf placed like `param`.
+
+    A committed array's sharding is copied; an uncommitted one (created
+    without a device) gives an uncommitted accumulator, as optax's own
+    states. Under ``jit`` an explicit-axes mesh puts the sharding in the
+    tracer's type and ``zeros_like`` keeps it; with auto axes pass
+    ``out_shardings=optax_accum.distributed.state_shardings(tx, params)``.
+    """
+    if isinstance(param, jax.Array) and not isinstance(param, jax.core.Tracer):
+      device = param.sharding if param.committed else None
+      return jnp.zeros(param.shape, dtype, device=device)
+    return jnp.zeros_like(param, dtype=dtype)
+
+  def agree(self, reduce: Callable, flag: jax.Array) -> jax.Array:
+    """`flag` the same on every device of the step (here: itself)."""
+    del reduce
+    return flag
+
+  def reduce(
+    self, acc: Any, scalars: tuple, *, per_leaf: bool, specs: Any
+  ) -> tuple[Any, tuple]:
+    """The cycle's sums over the devices: `acc` and a few float32
+    `scalars` (its weight, the noise-scale sums). Here: as they are."""
+    del per_leaf, specs
+    return acc, scalars
+
+  def reduced_specs(self, acc: Any, params: Any) -> Any:
+    """Where the reduced sum is laid out (None: no layout in the type)."""
+    del acc, params
+    return None
+
+  def shares_buffer(self, acc: Any) -> bool:
+    """Whether the emitted updates may be written into the accumulator's
+    own buffer (design point 2 of :mod:`optax_accum._accumulate`)."""
+    del acc
+    return True
+
+  def cleared(self, acc: Any, total: Any, cycle_end: jax.Array) -> Any:
+    """Zeros in place of the accumulator `acc` at a cycle's end, once
+    `total`, its sum over the devices, is known."""
+    del total
+    return _control.cleared(cycle_end, acc, self)
+
+  def sample_axes(self) -> Hashable | None:
+    """The axes each device's gradient is a noise-scale sample over."""
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardMap(Local):
+  """``axis_name`` bound: ``psum`` once per cycle."""
+
+  global_weight: ClassVar[bool] = False
+
+  def agree(self, reduce: Callable, flag: jax.Array) -> jax.Array:
+    """`flag` reduced with `reduce` (``lax.pmin``, ``lax.pmax``) over
+    `axis_name` and every other manual axis it varies over: replicas must
+    agree on what is skipped and on when a cycle ends, and so must the
+    devices that hold shards of one replica's gradient (HSDP)."""
+    axes = set(_control.axis_tuple(self.axis_name))
+    axes |= _control.varying_axes(jax.typeof(flag))
+    return reduce(flag.astype(jnp.int32), tuple(sorted(axes, key=str))) > 0
+
+  def reduce(self, acc, scalars, *, per_leaf, specs):
+    del specs
+    leaves, treedef = jax.tree.flatten(acc)
+    leaves, scalars = _control.psum_with_scalars(
+      leaves, scalars, self.axis_name, per_leaf
+    )
+    return jax.tree.unflatten(treedef, leaves), scalars
+
+  def shares_buffer(self, acc):
+    # Not with check_vma=True: the accumulator varies over the axis while
+    # the updates, summed over it, do not, and one buffer cannot hold both
+    # types.
+    return not _control.varies_over(acc, self.axis_name)
+
+  def cleared(self, acc, total, cycle_end):
+    # Zeros read from the reduced `total`, so that the sum can be reduced
+    # in place of the accumulator (reading `acc` again keeps it alive, at
+    # the cost of a copy of it); varying as the accumulator does.
+    return jax.tree.map(
+      lambda a, t: _control.vary_over(
+        jnp.where(cycle_end, jnp.zeros([], t.dtype), t),
+        _control.varying_axes(jax.typeof(a)),
+      ),
+      acc,
+      total,
+    )
+
+  def sample_axes(self):
+    return self.axis_name
+
+
+@dataclasses.dataclass(frozen=True)
+class Unreduced(Local):
+  """``axis_name`` an explicit mesh axis under plain ``jit``: one
+  ``jax.reshard`` once per cycle."""
+
+  runs_eagerly: ClassVar[bool] = False  # jax 0.10.2
+  measures_noise: ClassVar[bool] = False
+
+  def zero(self, x):
+    return jnp.zeros_like(x)  # keeps the unreduced type under jit
+
+  def select(self, pred, on_true, on_false):
+    return _unreduced.where(pred, on_true, on_false, self.axis_name)
+
+  def scale(self, x, factor):
+    return _unreduced.scale(x, factor, self.axis_name)
+
+  def all_finite(self, tree):
+    # On every device: one scalar all-reduce.
+    return _unreduced.all_finite(tree, self.axis_name)
+
+  def zeros_like_param(self, param, dtype):
+    return _unreduced.unreduced_zeros_like(param, self.axis_name, dtype)
+
+  def reduce(self, acc, scalars, *, per_leaf, specs):
+    del per_leaf  # The weight and the noise sums are global already.
+    return _unreduced.reduce(acc, self.axis_name, specs), scalars
+
+  def reduced_specs(self, acc, params):
+    # The params' own specs when given, so that `inner` sees gradients laid
+    # out like the params.
+    if params is not None:
+      return jax.tree.map(_unreduced.spec_of, params)
+    return jax.tree.map(
+      lambda a: _unreduced.reduced_spec(a, self.axis_name), acc
+    )
+
+  def shares_buffer(self, acc):
+    del acc  # The accumulator is unreduced, the updates are not.
+    return False
+
+  def cleared(self, acc, total, cycle_end):
+    def leaf(a, t):
+      zeros = jnp.where(cycle_end, jnp.zeros([], t.dtype), t)
+      typed = _unreduced.unreduced_like(zeros, a, self.axis_name)
+      if typed is None:  # FSDP: the shapes per device differ.
+        return self.select(cycle_end, self.zero(a), a)
+      return typed.astype(a.dtype)
+
+    return jax.tree.map(leaf, acc, total)
+
+
+LOCAL = Local()
 
 
 def is_bound(axis_name: Hashable) -> bool:
@@ -82,11 +234,13 @@ def _explicit_on(mesh: Any, axis_name: Hashable) -> bool:
   if mesh is None or mesh.empty:
     return False
   types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  return all(types.get(a) == jax.sharding.AxisType.Explicit for a in axes)
+  return all(
+    types.get(a) == jax.sharding.AxisType.Explicit
+    for a in _control.axis_tuple(axis_name)
+  )
 
 
-def for_init(axis_name: Hashable | None, params: Any) -> Engine:
+def for_init(axis_name: Hashable | None, params: Any) -> Local:
   """The engine of an ``init``, which sees the params but no gradient.
 
   Unreduced when the axis is not bound and is explicit on the mesh set with
@@ -95,9 +249,9 @@ def for_init(axis_name: Hashable | None, params: Any) -> Engine:
   ``shard_map`` included).
   """
   if axis_name is None:
-    return Engine(LOCAL, None)
+    return LOCAL
   if is_bound(axis_name) or not _unreduced.is_supported():
-    return Engine(SHARD_MAP, axis_name)
+    return ShardMap(axis_name)
   meshes = [jax.sharding.get_abstract_mesh()]
   for p in jax.tree.leaves(params):
     sharding = getattr(p, "sharding", None)
@@ -105,13 +259,11 @@ def for_init(axis_name: Hashable | None, params: Any) -> Engine:
       meshes.append(sharding.mesh)
       break
   if any(_explicit_on(m, axis_name) for m in meshes):
-    return Engine(UNREDUCED, axis_name)
-  return Engine(SHARD_MAP, axis_name)
+    return Unreduced(axis_name)
+  return ShardMap(axis_name)
 
 
-def for_update(
-  axis_name: Hashable | None, grads: Any, acc_grads: Any
-) -> Engine:
+def for_update(axis_name: Hashable | None, grads: Any, acc_grads: Any) -> Local:
   """The engine of an ``update``; raises if the unreduced engine cannot run.
 
   Raises:
@@ -122,9 +274,9 @@ def for_update(
   """
   if axis_name is None:
     _refuse_unreduced(grads)
-    return Engine(LOCAL, None)
+    return LOCAL
   if is_bound(axis_name):
-    return Engine(SHARD_MAP, axis_name)
+    return ShardMap(axis_name)
   # Not inside shard_map: plain jit (or eager) over an explicit mesh.
   try:
     _unreduced.check_explicit_axis(axis_name)
@@ -143,9 +295,10 @@ def for_update(
       f" {axis_name!r}, but the gradients are: make the state with"
       " `tx.init(params)` while the mesh is set (`with jax.set_mesh(mesh):`)"
       " or with params placed on it, so that `init` builds unreduced"
-      " accumulators; `optax_accum.distributed.state_shardings` gives their shardings."
+      " accumulators; `optax_accum.distributed.state_shardings` gives"
+      " their shardings."
     ) from None
-  return Engine(UNREDUCED, axis_name)
+  return Unreduced(axis_name)
 
 
 def _refuse_unreduced(grads: Any) -> None:
@@ -158,7 +311,7 @@ def _refuse_unreduced(grads: Any) -> None:
       raise ValueError(
         f"`updates` leaf {jax.tree_util.keystr(path) or '<root>'} is typed"
         f" unreduced over {name!r} (each device's partial sum, e.g. from"
-        " `optax_accum.distributed.local_value_and_grad`), but this accumulate has no"
-        f" `axis_name`: build it with `axis_name={name!r}` so that it sums"
-        " them once per cycle."
+        " `optax_accum.distributed.local_value_and_grad`), but this"
+        f" accumulate has no `axis_name`: build it with `axis_name={name!r}`"
+        " so that it sums them once per cycle."
       )

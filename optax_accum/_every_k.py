@@ -28,8 +28,8 @@ import optax
 
 from optax_accum import _checks, _noise_scale, _state
 from optax_accum._state import GrowState, NoiseScaleState
+from optax_accum._tree import INT32_MAX
 
-INT32_MAX = int(np.iinfo(np.int32).max)
 # The largest float32 below 2**31: a float k at or above it holds the cycle.
 _FLOAT32_BELOW_INT32_MAX = float(np.nextafter(np.float32(2**31), 0))
 
@@ -183,18 +183,68 @@ def piecewise_every_k(
   return schedule
 
 
+class InnerForEveryK(NamedTuple):
+  """An inner transformation built for each cycle's k; see
+  :func:`inner_for_every_k`."""
+
+  factory: Callable[[jax.Array], optax.GradientTransformation]
+
+
+def inner_for_every_k(
+  factory: Callable[[jax.Array], optax.GradientTransformation],
+) -> InnerForEveryK:
+  r"""Makes the inner optimizer a function of the cycle's number of micro-batches.
+
+  When ``every_k`` grows during training (a schedule or
+  :func:`grow_every_k`) the batch grows with it, and the learning rate
+  usually should too: OLMo-core multiplies Adam's by
+  :math:`\sqrt{k / k_0}`. Pass ``inner=inner_for_every_k(factory)`` to
+  :func:`accumulate`: each emitting call runs ``factory(k)``, with ``k`` the
+  cycle's ``every_k`` as an ``int32[]``, and ``init`` uses ``factory`` of
+  the first cycle's k. The state's structure must not depend on k (true
+  when k only enters hyperparameters such as the learning rate).
+
+  Args:
+    factory: ``factory(k) -> optax.GradientTransformation``.
+
+  Returns:
+    A value to pass as ``inner``.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(
+    ...     optax_accum.inner_for_every_k(
+    ...         lambda k: optax.sgd(0.1 * jnp.sqrt(k / 2))),
+    ...     every_k=lambda step: 2 * (step + 1))  # k = 2, 4, 6, ...
+    >>> params = jnp.zeros(1)
+    >>> state = tx.init(params)
+    >>> for k in (2, 4):
+    ...   for _ in range(k):
+    ...     updates, state = tx.update(jnp.ones(1), state, params)
+    ...   print(k, updates)
+    2 [-0.1]
+    4 [-0.14142136]
+  """
+  if not callable(factory):
+    raise TypeError(
+      "`factory` must be callable as factory(k) -> GradientTransformation,"
+      f" got {factory!r}."
+    )
+  return InnerForEveryK(factory)
+
+
 # ----------------------------------------------------------------------------
 # Used by accumulate.
 # ----------------------------------------------------------------------------
 
 
 class Spec(NamedTuple):
-  """A validated ``every_k``."""
+  """A validated ``every_k``: exactly one of `fixed`, `schedule`, `grow`."""
 
-  fixed: int | None  # A plain k.
-  schedule: Callable | None  # every_k(step) or every_k(step, weight_seen).
-  takes_weight: bool  # The schedule's second argument is the weight seen.
-  grow: GrowEveryK | None  # The controller.
+  fixed: int | None = None  # A plain k.
+  schedule: Callable | None = None  # every_k(step) or (step, weight_seen).
+  takes_weight: bool = False  # The schedule's second argument is the weight.
+  grow: GrowEveryK | None = None  # The controller.
 
 
 def _takes_weight_seen(schedule: Callable) -> bool:
@@ -225,9 +275,9 @@ def check(every_k: Any, track_noise_scale: bool) -> Spec:
         "`every_k=grow_every_k(...)` needs `track_noise_scale=True`: it"
         " grows k from the gradient noise scale."
       )
-    return Spec(None, None, False, every_k)
+    return Spec(grow=every_k)
   if callable(every_k) and not isinstance(every_k, jax.Array):
-    spec = Spec(None, every_k, _takes_weight_seen(every_k), None)
+    spec = Spec(schedule=every_k, takes_weight=_takes_weight_seen(every_k))
     first(spec)  # a bad schedule fails here, not at the first update
     return spec
   k = _checks.positive_int(
@@ -239,7 +289,7 @@ def check(every_k: Any, track_noise_scale: bool) -> Spec:
     raise ValueError(
       f"`every_k` must be at most 2**31 - 1 (it is counted in int32), got {k}."
     )
-  return Spec(k, None, False, None)
+  return Spec(fixed=k)
 
 
 def schedule_value(value: Any) -> jax.Array:

@@ -1,24 +1,22 @@
 """`microbatch`: exact, token-weighted micro-batching inside one step.
 
-Read top to bottom: the batch split, the weight, how each output leaf is
-reduced (one `_Reduction` record per kind), the scan, plain and NNX steps,
+Read top to bottom: the batch split, the weight, the scan (each output
+leaf reduced as :mod:`optax_accum._reductions` plans), plain and NNX steps,
 then :func:`microbatch` itself.
 """
 
 import functools
+import inspect
 import sys
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType, NamedSharding
 
-from optax_accum import _checks, _tree
-
-_INT32_MAX = int(np.iinfo(np.int32).max)
+from optax_accum import _checks, _reductions, _tree
 
 # ----------------------------------------------------------------------------
 # The batch split (trace time).
@@ -118,220 +116,26 @@ def _weight(raw: Any) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------
-# How each output leaf is reduced over the micro-batches: one record per
-# kind, chosen once per leaf from its dtype.
-# ----------------------------------------------------------------------------
-
-
-class _Total(NamedTuple):
-  """What a weighted mean divides by, known after the scan."""
-
-  count: int  # num_microbatches: the divisor without `weight_fn`.
-  weighted: bool  # Whether `weight_fn` was given.
-  positive: jax.Array  # bool[]: the total weight is > 0.
-  safe_weight: jax.Array  # f32[]: the total weight, 1 where not positive.
-
-
-class _Reduction(NamedTuple):
-  """How one output leaf is reduced over the micro-batches.
-
-  Attributes:
-    init: ``init(shape, dtype)``, the scan carry before micro-batch 0 (None
-      for a leaf that is not carried).
-    update: ``update(acc, value, weight) -> (acc, emitted)``: the new carry
-      and what this micro-batch adds to the scan's outputs (None: nothing).
-    finalize: ``finalize(acc, emitted, shape, total)``, the result, where
-      ``emitted`` is stacked over the micro-batches.
-  """
-
-  init: Callable[[jax.ShapeDtypeStruct, Any], Any]
-  update: Callable[[Any, Any, jax.Array | None], tuple[Any, Any]]
-  finalize: Callable[[Any, Any, jax.ShapeDtypeStruct, _Total], Any]
-
-
-def _zeros(shape: jax.ShapeDtypeStruct, dtype: Any) -> jax.Array:
-  """Zeros of `shape`'s shape; with its sharding where the mesh is explicit.
-
-  Under an explicit mesh a sharding is part of the type, so a scan carry
-  must start with the sharding the body gives it (e.g. FSDP gradients).
-  """
-  sharding = getattr(shape, "sharding", None)
-  if isinstance(sharding, NamedSharding) and any(
-    axis_type == AxisType.Explicit for axis_type in sharding.mesh.axis_types
-  ):
-    return jnp.zeros(shape.shape, dtype, out_sharding=sharding)
-  return jnp.zeros(shape.shape, dtype)
-
-
-def _not_carried(shape: jax.ShapeDtypeStruct, dtype: Any) -> None:
-  # The last values are scan outputs (an extended dtype such as a PRNG key
-  # has no zeros to start a carry from); float0 is always zeros.
-  del shape, dtype
-
-
-def _add_weighted(acc: jax.Array, value: Any, weight: Any) -> tuple:
-  compute = _tree.compute_dtype(acc.dtype)
-  term = _tree.weighted_term(value, weight, compute)
-  return (acc.astype(compute) + term).astype(acc.dtype), None
-
-
-def _weighted_mean(acc: jax.Array, emitted: Any, shape: Any, total: _Total):
-  del emitted
-  compute = _tree.compute_dtype(acc.dtype)
-  acc = acc.astype(compute)
-  if total.weighted:
-    mean = jnp.where(total.positive, acc / total.safe_weight.astype(compute), 0)
-  else:
-    mean = acc / total.count
-  return mean.astype(shape.dtype)
-
-
-def _the_carry(acc: Any, emitted: Any, shape: Any, total: _Total) -> Any:
-  del emitted, shape, total
-  return acc
-
-
-# Floating leaves (the loss, gradients, floating aux): the weighted mean.
-_MEAN = _Reduction(_zeros, _add_weighted, _weighted_mean)
-# Integer aux leaves (counts): the sum.
-_SUM = _Reduction(_zeros, lambda acc, value, _: (acc + value, None), _the_carry)
-# Boolean aux leaves (flags): logical or.
-_ANY = _Reduction(_zeros, lambda acc, value, _: (acc | value, None), _the_carry)
-# PRNG keys and other extended dtypes: the last micro-batch's value.
-_LAST = _Reduction(
-  _not_carried,
-  lambda acc, value, _: (None, value),
-  lambda acc, emitted, shape, total: emitted[-1],
-)
-# `jax.grad(..., allow_int=True)`'s float0 zeros for integer arguments.
-_FLOAT0 = _Reduction(
-  _not_carried,
-  lambda acc, value, _: (None, None),
-  lambda acc, emitted, shape, total: np.zeros(shape.shape, jax.dtypes.float0),
-)
-
-
-def _reduction(dtype: Any) -> _Reduction:
-  if dtype == jax.dtypes.float0:
-    return _FLOAT0
-  if jnp.issubdtype(dtype, jnp.inexact):
-    return _MEAN
-  if jnp.issubdtype(dtype, jnp.integer):
-    return _SUM
-  if jnp.issubdtype(dtype, jnp.bool_):
-    return _ANY
-  return _LAST
-
-
-class _Leaf(NamedTuple):
-  """One output leaf: its reduction, carry dtype and output shape."""
-
-  reduction: _Reduction
-  dtype: Any
-  shape: jax.ShapeDtypeStruct
-
-
-def _plan(out_shape: Any, accumulator_dtype: Any) -> list[_Leaf]:
-  """The `_Leaf` of every leaf of `out_shape`, in `jax.tree.leaves` order.
-
-  The value's leaves (loss, aux) come first, then the gradient's: floating
-  value leaves are summed in at least float32, floating gradient leaves in
-  `accumulator_dtype`, other leaves in their own dtype.
-  """
-  plan = []
-  for shape in jax.tree.leaves(out_shape[0]):
-    reduction, dtype = _reduction(shape.dtype), shape.dtype
-    if reduction is _MEAN:
-      dtype = _tree.compute_dtype(dtype)
-    plan.append(_Leaf(reduction, dtype, shape))
-  for path, shape in jax.tree_util.tree_flatten_with_path(out_shape[1])[0]:
-    reduction, dtype = _reduction(shape.dtype), shape.dtype
-    if reduction is _MEAN:
-      try:
-        dtype = _checks.leaf_accumulator_dtype(accumulator_dtype, dtype)
-      except ValueError as e:
-        name = "grads" + jax.tree_util.keystr(path)
-        raise ValueError(f"{e} The leaf: {name}.") from e
-    plan.append(_Leaf(reduction, dtype, shape))
-  return plan
-
-
-_USE_VALUE_AND_GRAD = (
-  " A gradient function such as `jax.grad(loss_fn)` returns no value: pass"
-  " `jax.value_and_grad(loss_fn)`."
-)
-
-
-def _shaped_like(tree: Any, structure: Any, shapes: list) -> bool:
-  """Whether `tree` has the tree `structure` and leaf `shapes`."""
-  leaves, treedef = jax.tree.flatten(tree)
-  return treedef == structure and [np.shape(x) for x in leaves] == shapes
-
-
-def _check_not_a_gradient_function(out: Any, params: Any, micro: Any) -> None:
-  """Raises if `out` looks like ``jax.grad(f, argnums=(0, 1))(params,
-  micro)``: gradients w.r.t. the params and the micro-batch, whose first
-  one passes for a loss when the params are a scalar.
-
-  The output of ``jax.value_and_grad(f)`` never does: its second output is
-  shaped like the params and a micro-batch leaf is never a scalar.
-  """
-  leaves, params_def = jax.tree.flatten(params)
-  params_shapes = [np.shape(x) for x in leaves]
-  micro_def = jax.tree.structure(micro)
-  micro_shapes = [x.shape for x in jax.tree.leaves(micro)]
-  value = out[0]
-  has_aux = isinstance(value, tuple | list) and len(value) == 2
-  # jax.grad(f, argnums=(0, 1), has_aux=True) gives ((g_params, g_micro), aux).
-  pair = value if has_aux else out
-  if (
-    _shaped_like(pair[0], params_def, params_shapes)
-    and _shaped_like(pair[1], micro_def, micro_shapes)
-    and not _shaped_like(out[1], params_def, params_shapes)
-  ):
-    raise TypeError(
-      "`value_and_grad_fn` must return `(value, grads)` like"
-      " `jax.value_and_grad`, but its output is shaped like gradients with"
-      " respect to the params (argument 0) and the micro-batch (argument"
-      " 1), as from `jax.grad(loss_fn, argnums=(0, 1))`; microbatch"
-      " reduces gradients with respect to the params, never the batch."
-      + _USE_VALUE_AND_GRAD
-    )
-
-
-def _check_output(out: Any, params: Any = None, micro: Any = None) -> None:
-  """Raises unless `out` (shapes) looks like `jax.value_and_grad`'s output.
-
-  Args:
-    params, micro: The shapes of argument 0 and of one micro-batch, to tell
-      a gradient function's output apart (None: not checked).
-  """
-  if not (isinstance(out, tuple | list) and len(out) == 2):
-    raise TypeError(
-      "`value_and_grad_fn` must return `(value, grads)` like"
-      " `jax.value_and_grad`, got an output of type"
-      f" {type(out).__name__}." + _USE_VALUE_AND_GRAD
-    )
-  value = out[0]
-  has_aux = isinstance(value, tuple | list) and len(value) == 2
-  loss = value[0] if has_aux else value
-  if not (isinstance(loss, jax.ShapeDtypeStruct) and loss.shape == ()):
-    raise TypeError(
-      "`value_and_grad_fn` must return `(loss, grads)` or"
-      " `((loss, aux), grads)` with a scalar loss, like"
-      " `jax.value_and_grad(loss_fn, has_aux=...)`; got a value of"
-      f" {jax.tree.map(lambda s: (s.shape, s.dtype), value)}."
-      + _USE_VALUE_AND_GRAD
-    )
-  if micro is not None:
-    _check_not_a_gradient_function(out, params, micro)
-
-
-# ----------------------------------------------------------------------------
 # The scan over micro-batches, for a pure step `step(micro, carried) ->
 # (out, carried)`: `carried` is state threaded from one micro-batch to the
 # next (None for plain JAX functions; NNX variables, see below).
 # ----------------------------------------------------------------------------
+
+
+def _takes_one_argument(weight_fn: Callable[[Any], Any]) -> None:
+  """Raises unless `weight_fn` can be called with the micro-batch alone."""
+  try:
+    signature = inspect.signature(weight_fn)
+  except (TypeError, ValueError):  # builtins without a signature: try it
+    return
+  try:
+    signature.bind(None)
+  except TypeError as e:
+    raise TypeError(
+      "`weight_fn` must take one argument, the micro-batch (`weight_fn("
+      f"micro_batch) -> scalar`), got {weight_fn!r} with signature"
+      f" {signature}: {e}."
+    ) from None
 
 
 def _call(step, weight_fn, split, index, carried):
@@ -365,9 +169,9 @@ def _scan(step, carried, split, n, weight_fn, accumulator_dtype, params=None):
   micro = None
   if params is not None:
     micro = jax.eval_shape(lambda: _micro_batch(split, 0))
-  _check_output(out_shape, params, micro)
+  _reductions.check_output(out_shape, params, micro)
   treedef = jax.tree.structure(out_shape)
-  plan = _plan(out_shape, accumulator_dtype)
+  plan = _reductions.plan(out_shape, accumulator_dtype)
 
   def body(carry, index):
     accs, total_weight, carried = carry
@@ -383,14 +187,31 @@ def _scan(step, carried, split, n, weight_fn, accumulator_dtype, params=None):
     body, carry, jnp.arange(n, dtype=jnp.int32)
   )
   positive = total_weight > 0
-  total = _Total(
+  total = _reductions.Total(
     n, weight_fn is not None, positive, jnp.where(positive, total_weight, 1.0)
   )
   results = [
     leaf.reduction.finalize(acc, ys, leaf.shape, total)
     for leaf, acc, ys in zip(plan, accs, emitted, strict=True)
   ]
+  if weight_fn is not None:
+    results = _poisoned(results, total_weight)
   return treedef.unflatten(results), carried
+
+
+def _poisoned(results: list, total_weight: jax.Array) -> list:
+  """NaN outputs for a NaN or negative total weight, which has no mean (a
+  total of 0, all padding, gives zeros); raised where it is concrete."""
+  bad = ~(total_weight >= 0)
+  if not isinstance(bad, jax.core.Tracer) and bool(bad):
+    raise ValueError(
+      "`weight_fn` gave the micro-batches a total weight of"
+      f" {float(total_weight)}: weights must be non-negative and finite."
+    )
+  return [
+    jnp.where(bad, jnp.nan, r) if jnp.issubdtype(r.dtype, jnp.inexact) else r
+    for r in results
+  ]
 
 
 # ----------------------------------------------------------------------------
@@ -524,11 +345,13 @@ def microbatch(
   * ``num_microbatches=1`` calls ``value_and_grad_fn`` once on the whole
     batch and returns its output unchanged (``weight_fn`` is not called).
 
-  Rules for the runtime values (not checked under ``jit``): weights are
-  meant to be :math:`\geq 0`; a micro-batch of weight 0 contributes nothing,
-  even if its loss or gradient is NaN (the 0/0 of a per-token mean over an
-  all-padding micro-batch); if the total weight is not positive, the loss,
-  gradients and floating ``aux`` leaves are zeros, not NaN.
+  Rules for the runtime values: weights are meant to be :math:`\geq 0`; a
+  micro-batch of weight 0 contributes nothing, even if its loss or gradient
+  is NaN (the 0/0 of a per-token mean over an all-padding micro-batch); if
+  the total weight is 0, the loss, gradients and floating ``aux`` leaves are
+  zeros, not NaN. A NaN or negative total weight has no mean: called
+  outside ``jit`` it raises a ``ValueError``; under ``jit`` those leaves are
+  NaN (so ``skip_nonfinite`` or a NaN check catches it).
 
   Flax NNX: ``value_and_grad_fn`` may be ``nnx.value_and_grad(loss_fn)``
   with the model as argument 0 (other arguments may hold NNX objects too,
@@ -613,15 +436,17 @@ def microbatch(
       f" {type(value_and_grad_fn).__name__}."
     )
   n = _checks.positive_int(num_microbatches, "num_microbatches")
-  if n > _INT32_MAX:  # The scan's micro-batch index is an int32.
+  if n > _tree.INT32_MAX:  # The scan's micro-batch index is an int32.
     raise ValueError(
-      f"`num_microbatches` must be at most {_INT32_MAX}, got {n}."
+      f"`num_microbatches` must be at most {_tree.INT32_MAX}, got {n}."
     )
   if weight_fn is not None and not callable(weight_fn):
     raise TypeError(
       "`weight_fn` must be None or a callable `weight_fn(micro_batch) ->"
       f" scalar`, got {type(weight_fn).__name__}."
     )
+  if weight_fn is not None:
+    _takes_one_argument(weight_fn)
   accumulator_dtype = _checks.accumulator_dtype(accumulator_dtype)
 
   def microbatched(params: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:

@@ -107,8 +107,8 @@ def sq_norm(tree: Any, scale: Any = 1.0, sample_axes: Any = None) -> jax.Array:
     x = jnp.abs(x) if jnp.iscomplexobj(x) else jnp.asarray(x)
     leaf = jnp.sum(jnp.square(x.astype(jnp.float32) * scale))
     if sample_axes is not None:
-      shards = _control.varying_axes(jax.typeof(leaf)) - _control.axis_names(
-        sample_axes
+      shards = _control.varying_axes(jax.typeof(leaf)) - frozenset(
+        _control.axis_tuple(sample_axes)
       )
       if shards:
         leaf = lax.psum(leaf, tuple(sorted(shards)))

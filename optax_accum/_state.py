@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 
@@ -92,17 +93,11 @@ class AccumulateState(NamedTuple):
       mid-cycle (read it with :func:`current_every_k`).
     acc_grads: The accumulator, a tree like the params with leaves in
       ``accumulator_dtype``: :math:`\\sum_i w_i g_i` over the micro-batches
-      of the current cycle; zeros when ``micro_step == 0``, except after an
-      emission by a program compiled for CPU, which leaves the update it
-      returned there (scratch, marked by a nonzero ``acc_weight``) because
-      that is cheaper on CPU; the next cycle ignores it.
+      of the current cycle; zeros when ``micro_step == 0`` (after every
+      call that ends a cycle, on every backend).
     acc_weight: ``float32[]``. :math:`\\sum_i w_i`, the total weight
       accumulated in the current cycle (with the default weight of 1, the
-      number of micro-batches); 0 when ``micro_step == 0``, or the last
-      cycle's total where the accumulator holds scratch. A cycle that a
-      program compiled for GPU or TPU starts on such scratch counts its
-      weight from -inf: it ends without an update, and the next starts
-      clean.
+      number of micro-batches); 0 when ``micro_step == 0``.
     weight_seen: ``float32[2]``. The total weight of the cycles that ended
       with an update over the whole run (tokens or examples, the unit of
       ``weight``), as a compensated sum ``[total, -rounding error]`` so that
@@ -141,8 +136,7 @@ class AccumulateState(NamedTuple):
       )
     raise AttributeError(
       f"AccumulateState has no `{name}` (a field of optax.MultiStepsState):"
-      f" {equivalent}. See 'Coming from optax.MultiSteps' in"
-      " examples/README.md."
+      f" {equivalent}. See help(optax_accum.multisteps)."
     )
 
 
@@ -161,12 +155,19 @@ def is_accumulate_state(x: Any) -> bool:
   return isinstance(x, AccumulateState)
 
 
-def find_state(opt_state: Any, reader: str) -> AccumulateState:
-  """The one :class:`AccumulateState` inside `opt_state`; raises otherwise.
+def find_state(
+  opt_state: Any, reader: str, *, missing_ok: bool = False
+) -> AccumulateState | None:
+  """The one :class:`AccumulateState` inside `opt_state`.
 
   Args:
     opt_state: Any optimizer state (a pytree).
     reader: The public function asking, for the message.
+    missing_ok: Return None (instead of raising) when there is none.
+
+  Raises:
+    TypeError: If there is none (unless `missing_ok`).
+    ValueError: If there are several.
   """
   found = [
     x
@@ -176,6 +177,8 @@ def find_state(opt_state: Any, reader: str) -> AccumulateState:
   if len(found) == 1:
     return found[0]
   if not found:
+    if missing_ok:
+      return None
     raise TypeError(
       f"`{reader}` needs an optimizer state that holds the AccumulateState"
       " of optax_accum.accumulate (the state itself, or an optax.chain,"
@@ -203,7 +206,11 @@ def has_updated(opt_state: optax.OptState) -> jax.Array:
       ``inject_hyperparams`` or a ``flax.nnx.Optimizer``'s ``opt_state``).
 
   Returns:
-    A ``bool[]`` array (batched under ``vmap``).
+    A ``bool[]`` array (batched under ``vmap``). Outside a transformation,
+    a state with a leading axis whose flags agree (replicated by ``pmap``:
+    the devices agree when ``axis_name`` is given) gives one ``bool[]``, so
+    ``if has_updated(state):`` works; one whose flags differ (a stacked
+    ensemble) gives them all.
 
   Raises:
     TypeError: If `opt_state` holds no :class:`AccumulateState`.
@@ -223,7 +230,12 @@ def has_updated(opt_state: optax.OptState) -> jax.Array:
   """
   # jnp.asarray unwraps array-like leaves too, such as the OptArray leaves
   # of a flax.nnx.Optimizer's opt_state.
-  return jnp.asarray(find_state(opt_state, "has_updated").emitted)
+  emitted = jnp.asarray(find_state(opt_state, "has_updated").emitted)
+  if emitted.ndim and not isinstance(emitted, jax.core.Tracer):
+    flags = np.asarray(emitted)  # A replicated (pmap) or stacked state.
+    if (flags == flags.flat[0]).all():
+      return jnp.asarray(flags.flat[0])
+  return emitted
 
 
 def inner_state(opt_state: optax.OptState) -> optax.OptState:

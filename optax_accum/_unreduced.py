@@ -6,14 +6,15 @@ computed. Gradient accumulation wants exactly that: add each device's local
 gradient into a local accumulator on every micro-step, and sum over devices
 once per optimizer step. This module holds the pieces:
 
-* :func:`local_value_and_grad` turns a loss into one returning each device's
-  local gradient typed unreduced over the data axis, for any model;
 * :func:`unreduced_zeros_like`, :func:`where`, :func:`scale`,
   :func:`all_finite` and :func:`reduce` are the few operations an
   accumulator needs, written with the ops JAX allows on unreduced arrays
   (linear ones: add, multiply by a ``reduced`` scalar, select);
 * :func:`is_unreduced`, :func:`check_supported`, :func:`check_explicit_axis`
   and :func:`check_unreduced` raise errors that say what to change.
+
+:func:`optax_accum.distributed.local_value_and_grad` makes such gradients
+for any loss.
 
 Rules of the type system that shape the code (jax 0.10.2): an eager op on an
 unreduced array other than ``+`` fails (``device_indices_map doesn't work
@@ -32,6 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from optax_accum._control import axis_tuple
 
 AxisName = Hashable
 
@@ -62,10 +65,6 @@ def check_supported() -> None:
       f" {jax.__version__} lacks them (they are in jax 0.10.2). Upgrade"
       " jax, or use `axis_name=` inside `jax.shard_map` instead."
     )
-
-
-def axis_tuple(axis_name: AxisName) -> tuple:
-  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
 def check_explicit_axis(axis_name: AxisName = "data", mesh: Any = None) -> Any:

@@ -148,8 +148,29 @@ def test_reads_the_state_inside_an_nnx_optimizer():
     chex.assert_trees_all_equal(expected, params)
 
 
-def test_without_an_accumulate_state_names_the_function():
-  with pytest.raises(TypeError, match="`apply_updates` needs an optimizer"):
-    optax_accum.apply_updates(
-      {"w": jnp.ones(2)}, {"w": jnp.ones(2)}, optax.sgd(1.0).init({})
-    )
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+def test_without_an_accumulate_state_is_optax_apply_updates(use_jit):
+  """Accumulation switched off (a trainer's plain optimizer): the same
+  call applies the updates, as ``optax.apply_updates`` does."""
+  tx = optax.adam(0.1)
+  params = {"w": jnp.arange(3.0), "b": jnp.ones(2)}
+  updates, state = tx.update(
+    jax.tree.map(jnp.ones_like, params), tx.init(params)
+  )
+  apply = (
+    jax.jit(optax_accum.apply_updates) if use_jit else optax_accum.apply_updates
+  )
+  out = apply(params, updates, state)
+  chex.assert_trees_all_equal(out, optax.apply_updates(params, updates))
+  with pytest.raises(AssertionError):  # the updates are not zeros
+    chex.assert_trees_all_equal(out, params)
+
+
+def test_several_accumulate_states_name_the_function():
+  tx = optax.chain(
+    optax_accum.accumulate(optax.sgd(1.0), 2),
+    optax_accum.accumulate(optax.sgd(1.0), 2),
+  )
+  params = {"w": jnp.ones(2)}
+  with pytest.raises(ValueError, match="`apply_updates`"):
+    optax_accum.apply_updates(params, params, tx.init(params))

@@ -534,3 +534,49 @@ def test_other_missing_state_attributes_keep_the_usual_message():
     state.foo  # noqa: B018
   assert not hasattr(state, "mini_step")
   assert hasattr(state, "micro_step") and hasattr(state, "_replace")
+
+
+# ----------------------------------------------------------------------------
+# The last bad inputs (issue 28).
+# ----------------------------------------------------------------------------
+
+
+def _squares_value_and_grad():
+  return jax.value_and_grad(lambda p, b: jnp.mean((b["x"] * p) ** 2))
+
+
+def test_microbatch_weight_fn_of_the_wrong_arity_names_it():
+  with pytest.raises(TypeError, match=r"`weight_fn` must take one argument"):
+    optax_accum.microbatch(
+      _squares_value_and_grad(), 2, weight_fn=lambda micro, extra: 1.0
+    )
+  # One required argument and optional ones: accepted.
+  optax_accum.microbatch(
+    _squares_value_and_grad(), 2, weight_fn=lambda micro, scale=1.0: scale
+  )
+
+
+@pytest.mark.parametrize("total", [-1.0, float("nan")], ids=["negative", "nan"])
+def test_microbatch_nan_or_negative_total_weight_is_loud(total):
+  grad_fn = optax_accum.microbatch(
+    _squares_value_and_grad(), 2, weight_fn=lambda micro: total / 2
+  )
+  batch = {"x": jnp.arange(4.0)}
+  with pytest.raises(ValueError, match=r"`weight_fn` gave .* total weight"):
+    grad_fn(1.0, batch)
+  value, grad = jax.jit(grad_fn)(1.0, batch)  # NaN, never silent zeros
+  assert np.isnan(value) and np.isnan(grad)
+  zero = optax_accum.microbatch(
+    _squares_value_and_grad(), 2, weight_fn=lambda micro: 0.0
+  )
+  assert float(zero(1.0, batch)[1]) == 0.0  # all padding: zeros, documented
+
+
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+def test_a_state_for_other_params_names_the_state(use_jit):
+  tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+  state = tx.init({"a": jnp.ones(3)})
+  params = {"w": jnp.ones(2)}
+  update = jax.jit(tx.update) if use_jit else tx.update
+  with pytest.raises(ValueError, match=r"`state` was made by init for params"):
+    update(params, state, params)

@@ -1,15 +1,14 @@
-"""The two forms accumulate compiles to agree (design point 5 of
-``optax_accum/_accumulate.py``).
+"""One meaning of the state on every backend (``optax_accum/_backend.py``).
 
-A program compiled for CPU starts a cycle by ignoring what the accumulator's
-buffer holds and leaves the last update there; one compiled for GPU or TPU
-adds into the accumulator as it is, so that the add fuses into the gradient's
-GEMM, and returns it to zeros when a cycle ends. This machine runs only the
-CPU form, so these tests pin ``_accumulate._per_backend`` to each form in turn
-and run both on CPU: the same updates, params, counters and inner states,
-bit for bit, and the same accumulator while a cycle is open. A state the CPU
-form leaves at a cycle boundary, resumed by the other form, gives one cycle
-without an update and nothing wrong.
+A program compiled for CPU and one compiled for GPU or TPU close a cycle in
+different ways (a select, or a conditional that zeroes the accumulator in
+place), and both leave the same state: zeros and weight 0 after a call that
+ends a cycle. This machine runs only the CPU form, so these tests pin
+``_backend._per_backend`` to each form in turn and run both on CPU: the same
+updates, params and states, bit for bit, and a state saved by one form
+resumes in the other as if nothing had changed. A state optax_accum 0.1
+left on CPU after an emission costs one cycle without an update, never a
+wrong one.
 """
 
 import _common
@@ -20,7 +19,7 @@ import optax
 import pytest
 
 import optax_accum
-from optax_accum import _accumulate
+from optax_accum import _accumulate, _backend
 
 FORMS = {
   "cpu": lambda *args, cpu, accelerator: cpu(*args),
@@ -31,7 +30,7 @@ FORMS = {
 def _pin(monkeypatch, form):
   """Every accumulate traced from now on takes `form`. JAX caches a trace
   per function: build a new transformation after pinning."""
-  monkeypatch.setattr(_accumulate, "_per_backend", FORMS[form])
+  monkeypatch.setattr(_backend, "_per_backend", FORMS[form])
   _accumulate._jitted_update.cache_clear()
 
 
@@ -112,14 +111,11 @@ def _trajectory(monkeypatch, form, scenario, calls=12, jit=True):
   return out
 
 
-def _comparable(state):
-  """The state without the accumulator's contents at a cycle boundary, where
-  the forms differ by design (zeros, or the last update)."""
-  open_cycle = int(state.micro_step) > 0
-  return state._replace(
-    acc_grads=state.acc_grads if open_cycle else None,
-    acc_weight=state.acc_weight if open_cycle else None,
+def _assert_fresh(state):
+  chex.assert_trees_all_equal(
+    state.acc_grads, jax.tree.map(jnp.zeros_like, state.acc_grads)
   )
+  assert float(state.acc_weight) == 0.0
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["nojit", "jit"])
@@ -130,28 +126,10 @@ def test_both_forms_give_the_same_run(monkeypatch, scenario, jit):
   for (p, s, u), (q, t, v) in zip(cpu, accelerator, strict=True):
     chex.assert_trees_all_equal(u, v, strict=True)
     chex.assert_trees_all_equal(p, q, strict=True)
-    chex.assert_trees_all_equal(_comparable(s), _comparable(t), strict=True)
+    chex.assert_trees_all_equal(s, t, strict=True)  # the whole state
+    if int(s.micro_step) == 0:  # a cycle boundary: a fresh accumulator
+      _assert_fresh(s)
   assert any(bool(optax_accum.has_updated(s)) for _, s, _ in cpu)
-
-
-def test_accelerator_form_leaves_zeros_and_cpu_form_the_update(monkeypatch):
-  params = _common.params()
-  ends = {}
-  for form in FORMS:
-    _pin(monkeypatch, form)
-    tx = optax_accum.accumulate(optax.sgd(1.0), 2)
-    state = tx.init(params)
-    for i in range(2):
-      updates, state = jax.jit(tx.update)(_common.grads(i), state, params)
-    ends[form] = (state, updates)
-  state, _ = ends["accelerator"]
-  chex.assert_trees_all_equal(
-    state.acc_grads, jax.tree.map(jnp.zeros_like, state.acc_grads)
-  )
-  assert float(state.acc_weight) == 0.0
-  state, updates = ends["cpu"]  # sgd(1): the buffer holds the update.
-  chex.assert_trees_all_close(state.acc_grads, updates)
-  assert float(state.acc_weight) == 2.0
 
 
 def _cycle(tx, state, params, start, static):
@@ -164,43 +142,82 @@ def _cycle(tx, state, params, start, static):
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["traced", "static"])
-def test_a_cpu_boundary_state_costs_the_accelerator_one_cycle(
-  monkeypatch, static
-):
-  """A traced emission compiled for CPU leaves its update in the buffer.
-  Resumed by the accelerator form (traced or static), the cycle that starts
-  on that scratch ends without an update (its weight starts at -inf) and
-  leaves zeros; the next cycle is exactly what a clean start gives."""
+@pytest.mark.parametrize("first", list(FORMS))
+def test_a_state_resumes_in_the_other_form(monkeypatch, first, static):
+  """Saved by one form at a cycle boundary and mid-cycle, resumed by the
+  other: the run goes on bit for bit as in the first form."""
+  other = "cpu" if first == "accelerator" else "accelerator"
   params = _common.params()
-  _pin(monkeypatch, "cpu")
+
+  def run(forms):
+    state, out = None, []
+    for i, form in enumerate(forms):
+      _pin(monkeypatch, form)
+      tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+      state = tx.init(params) if state is None else state
+      updates, state = _cycle(tx, state, params, 2 * i, static)
+      out.append((updates, state))
+    return out
+
+  for (u, s), (v, t) in zip(
+    run([first, first, first]), run([first, other, other]), strict=True
+  ):
+    chex.assert_trees_all_equal(u, v, strict=True)
+    chex.assert_trees_all_equal(s, t, strict=True)
+    _assert_fresh(t)
+  # Mid-cycle: one call in the first form, the rest in the other.
+  _pin(monkeypatch, first)
+  tx = optax_accum.accumulate(optax.sgd(1.0), 3)
+  _, half = jax.jit(tx.update)(_common.grads(0), tx.init(params), params)
+  assert int(half.micro_step) == 1 and float(half.acc_weight) == 1.0
+  ends = {}
+  for form in (first, other):
+    _pin(monkeypatch, form)
+    tx = optax_accum.accumulate(optax.sgd(1.0), 3)
+    state = half
+    for i in (1, 2):
+      updates, state = jax.jit(tx.update)(_common.grads(i), state, params)
+    ends[form] = (updates, state)
+  chex.assert_trees_all_equal(ends[first], ends[other], strict=True)
+
+
+def _v01_cpu_state(params):
+  """What optax_accum 0.1 compiled for CPU left after an emitting call
+  (sgd(1), k=2): that call's updates in acc_grads, its weight in
+  acc_weight, micro_step 0."""
   tx = optax_accum.accumulate(optax.sgd(1.0), 2)
-  _, state = _cycle(tx, tx.init(params), params, 0, static=False)
-  assert float(state.acc_weight) != 0  # The CPU form's scratch.
-  _pin(monkeypatch, "accelerator")
+  updates, state = _cycle(tx, tx.init(params), params, 0, static=False)
+  return state._replace(acc_grads=updates, acc_weight=jnp.float32(2.0))
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["traced", "static"])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_a_v01_cpu_state_costs_one_cycle(monkeypatch, form, static):
+  """Resumed in either form (traced or static): the cycle that starts on
+  0.1's leftovers ends without an update and leaves zeros; the next cycle is
+  exactly what a clean start gives."""
+  params = _common.params()
+  _pin(monkeypatch, form)
+  state = _v01_cpu_state(params)
   tx = optax_accum.accumulate(optax.sgd(1.0), 2)
   updates, state = _cycle(tx, state, params, 10, static)
   assert not optax_accum.has_updated(state) and int(state.step) == 1
   chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, updates))
-  chex.assert_trees_all_equal(
-    state.acc_grads, jax.tree.map(jnp.zeros_like, state.acc_grads)
-  )
-  assert float(state.acc_weight) == 0.0
+  _assert_fresh(state)
   resumed, state = _cycle(tx, state, params, 20, static)
   clean, _ = _cycle(tx, tx.init(params), params, 20, static)
   chex.assert_trees_all_equal(resumed, clean)
   assert int(state.step) == 2
 
 
-def test_without_the_flag_the_accelerator_form_would_add_scratch(monkeypatch):
-  """Control for the test above: hide the CPU form's flag (acc_weight) and
-  the accelerator form adds the scratch into its next update."""
+def test_without_the_flag_a_v01_state_would_add_its_leftovers(monkeypatch):
+  """Control for the test above: hide 0.1's flag (acc_weight) and its
+  leftover update joins the next update."""
   params = _common.params()
-  _pin(monkeypatch, "cpu")
+  hidden = _v01_cpu_state(params)._replace(
+    acc_weight=jnp.zeros([], jnp.float32)
+  )
   tx = optax_accum.accumulate(optax.sgd(1.0), 1, skip_nonfinite=True)
-  _, state = tx.update(_common.grads(0), tx.init(params), params)
-  _pin(monkeypatch, "accelerator")
-  tx = optax_accum.accumulate(optax.sgd(1.0), 1, skip_nonfinite=True)
-  hidden = state._replace(acc_weight=jnp.zeros([], jnp.float32))
   updates, _ = tx.update(_common.grads(1), hidden, params)
   clean, _ = tx.update(_common.grads(1), tx.init(params), params)
   with pytest.raises(AssertionError):

@@ -45,6 +45,18 @@ def test_the_table_maps_every_multisteps_name():
   assert not missing, f"names of optax.MultiSteps not in the table: {missing}"
 
 
+def test_the_installed_guide_maps_every_state_field_and_argument():
+  """``help(optax_accum.multisteps)``, where the errors point: the wheel
+  ships no examples/README.md."""
+  from optax_accum import multisteps
+
+  doc = multisteps.__doc__
+  names = list(optax.MultiStepsState._fields)
+  names += ["every_k_schedule", "use_grad_mean", "should_skip_update_fn"]
+  names += ["accumulator_dtype", "has_updated", "gradient_transformation"]
+  assert not [n for n in names if n not in doc]
+
+
 def test_accumulate_returns_optax_own_type():
   """Why the table documents `tx.has_updated` instead of providing it."""
   tx = optax_accum.accumulate(optax.sgd(0.1), 2)

@@ -172,7 +172,9 @@ def test_noise_scale_is_the_traced_runs(maybe_jit):
   np.testing.assert_allclose(
     np.asarray(optax_accum.noise_scale(s_state)),
     np.asarray(optax_accum.noise_scale(t_state)),
-    rtol=1e-5,
+    # The noise scale is a ratio of differences of squared norms; the two
+    # programs sum in different fusions (1.6e-5 apart measured, jax 0.10.2).
+    rtol=1e-4,
   )
   assert int(s_state.noise.cycles) == int(t_state.noise.cycles) == 3
 

@@ -7,6 +7,8 @@ module makes such gradients for any loss, with the operations of
 :mod:`optax_accum._unreduced`.
 """
 
+import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -127,9 +129,33 @@ def local_value_and_grad(
   has_weight = _checks.boolean(has_weight, "has_weight")
   has_aux = _checks.boolean(has_aux, "has_aux")
   noise_stats = _checks.boolean(noise_stats, "noise_stats")
-  axes = axis_tuple(axis_name)
+  loss = _Loss(fun, axis_name, has_weight, has_aux, noise_stats)
+  value_and_grad = functools.partial(loss.value_and_grad, in_specs)
+  jitted = jax.jit(value_and_grad)
 
-  def value_and_grad(params: Any, *args: Any) -> Any:
+  def call(params: Any, *args: Any) -> Any:
+    if _checks.is_traced(params):
+      return value_and_grad(params, *args)
+    # Eagerly, shard_map would dispatch op by op on every device: the same
+    # computation, compiled once.
+    return jitted(params, *args)
+
+  return call
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loss:
+  """The loss of :func:`local_value_and_grad` and what it returns."""
+
+  fun: Callable[..., Any]
+  axis_name: AxisName
+  has_weight: bool
+  has_aux: bool
+  noise_stats: bool
+
+  def value_and_grad(self, in_specs, params: Any, *args: Any) -> Any:
+    axis_name = self.axis_name
+    axes = axis_tuple(axis_name)
     check_explicit_axis(axis_name)
     # FSDP: a param sharded over the data axis is gathered (the forward
     # needs it whole); its gradient is then a full-size partial sum.
@@ -144,70 +170,58 @@ def local_value_and_grad(
         f"`in_specs` must have one entry per argument after `params`,"
         f" got {len(specs)} for {len(args)} arguments."
       )
-
-    def per_device(params, *args):
-      params = jax.tree.map(
-        lambda p: lax.pcast(p, axis_name, to="varying"), params
-      )
-
-      def split(params, *args):
-        out = fun(params, *args)
-        value, aux = out if has_aux else (out, None)
-        loss, weight = value if has_weight else (value, 1.0)
-        return loss, (weight, aux)
-
-      (loss, (weight, aux)), grads = jax.value_and_grad(split, has_aux=True)(
-        params, *args
-      )
-      weight = lax.stop_gradient(jnp.asarray(weight, jnp.float32))
-      empty = weight == 0
-      loss32 = jnp.where(empty, 0.0, jnp.asarray(loss, jnp.float32))
-      sums = (weight * loss32, weight)
-      if noise_stats:  # This device's share, measured before scaling.
-        sq = jnp.where(empty, 0.0, weight * _noise_scale.sq_norm(grads))
-        sums += (sq, jnp.where(empty, 0.0, 1.0))
-      # Scalars only, in one all-reduce.
-      loss_sum, total, *noise = lax.psum(sums, axis_name)
-      share = jnp.where(
-        total == 0, 0.0, weight / jnp.where(total == 0, 1, total)
-      )
-      grads = jax.tree.map(
-        lambda g: jnp.where(
-          empty, jnp.zeros_like(g), g * share.astype(g.dtype)
-        )[None],
-        grads,
-      )
-      mean_loss = jnp.where(
-        total == 0, 0.0, loss_sum / jnp.where(total == 0, 1, total)
-      )
-      mean_loss = mean_loss.astype(jnp.result_type(loss))
-      value = (mean_loss, total) if has_weight else mean_loss
-      aux = jax.tree.map(lambda a: jnp.asarray(a)[None], aux)
-      stats = None
-      if noise_stats:
-        sq_sum, count = noise
-        stats = _noise_scale.NoiseStats(sq_sum, total, count.astype(jnp.int32))
-      return (value, aux, stats), grads
-
     (value, aux, stats), stacked = jax.shard_map(
-      per_device,
+      self.per_device,
       in_specs=(P(),) + specs,
       out_specs=((P(), P(axis_name), P()), P(axis_name)),
       axis_names=frozenset(axes),
     )(params, *args)
     grads = from_per_device(stacked, axis_name)
-    value = (value, aux) if has_aux else value
-    if noise_stats:
+    value = (value, aux) if self.has_aux else value
+    if self.noise_stats:
       return value, grads, stats
     return value, grads
 
-  jitted = jax.jit(value_and_grad)
+  def split(self, params: Any, *args: Any) -> Any:
+    """`fun` as ``(loss, (weight, aux))``."""
+    out = self.fun(params, *args)
+    value, aux = out if self.has_aux else (out, None)
+    loss, weight = value if self.has_weight else (value, 1.0)
+    return loss, (weight, aux)
 
-  def call(params: Any, *args: Any) -> Any:
-    if _checks.is_traced(params):
-      return value_and_grad(params, *args)
-    # Eagerly, shard_map would dispatch op by op on every device: the same
-    # computation, compiled once.
-    return jitted(params, *args)
-
-  return call
+  def per_device(self, params: Any, *args: Any) -> Any:
+    """One device's gradient, scaled by its share of the global weight."""
+    axis_name = self.axis_name
+    params = jax.tree.map(
+      lambda p: lax.pcast(p, axis_name, to="varying"), params
+    )
+    (loss, (weight, aux)), grads = jax.value_and_grad(self.split, has_aux=True)(
+      params, *args
+    )
+    weight = lax.stop_gradient(jnp.asarray(weight, jnp.float32))
+    empty = weight == 0
+    loss32 = jnp.where(empty, 0.0, jnp.asarray(loss, jnp.float32))
+    sums = (weight * loss32, weight)
+    if self.noise_stats:  # This device's share, measured before scaling.
+      sq = jnp.where(empty, 0.0, weight * _noise_scale.sq_norm(grads))
+      sums += (sq, jnp.where(empty, 0.0, 1.0))
+    # Scalars only, in one all-reduce.
+    loss_sum, total, *noise = lax.psum(sums, axis_name)
+    share = jnp.where(total == 0, 0.0, weight / jnp.where(total == 0, 1, total))
+    grads = jax.tree.map(
+      lambda g: jnp.where(empty, jnp.zeros_like(g), g * share.astype(g.dtype))[
+        None
+      ],
+      grads,
+    )
+    mean_loss = jnp.where(
+      total == 0, 0.0, loss_sum / jnp.where(total == 0, 1, total)
+    )
+    mean_loss = mean_loss.astype(jnp.result_type(loss))
+    value = (mean_loss, total) if self.has_weight else mean_loss
+    aux = jax.tree.map(lambda a: jnp.asarray(a)[None], aux)
+    stats = None
+    if self.noise_stats:
+      sq_sum, count = noise
+      stats = _noise_scale.NoiseStats(sq_sum, total, count.astype(jnp.int32))
+    return (value, aux, stats), grads

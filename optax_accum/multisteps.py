@@ -1,0 +1,225 @@
+"""Coming from ``optax.MultiSteps``: the names, the meanings, the checkpoints.
+
+``optax_accum.accumulate(inner, every_k)`` takes the place of
+``optax.MultiSteps(inner, every_k).gradient_transformation()``: the same
+``init`` and ``update``, exact zeros on the calls that only accumulate, the
+inner optimizer's update when a cycle ends. The errors that a ``MultiSteps``
+name raises point here (``help(optax_accum.multisteps)``).
+
+Arguments and methods::
+
+  optax.MultiSteps                  optax_accum
+  --------------------------------  ---------------------------------------
+  MultiSteps(opt, ...)              accumulate(inner, ...): inner runs only
+                                    on the call that ends a cycle
+  every_k_schedule=k | schedule     every_k=k | every_k(step) |
+                                    every_k(step, weight_seen) |
+                                    grow_every_k(...)
+  use_grad_mean=True / False        reduction="mean" / "sum" (the mean is
+                                    weighted by update(..., weight=))
+  should_skip_update_fn=            skip_nonfinite=True (no other
+    optax.skip_not_finite           predicate)
+  accumulator_dtype=                accumulator_dtype= (None: the
+                                    gradient's dtype)
+  .gradient_transformation()        the transformation itself
+  .has_updated(state)               optax_accum.has_updated(state): False
+                                    on a dropped micro-batch and on a cycle
+                                    of total weight 0
+
+State fields (reading a ``MultiStepsState`` name from an
+``AccumulateState`` raises an ``AttributeError`` naming the equivalent)::
+
+  mini_step                         micro_step
+  gradient_step                     step
+  inner_opt_state                   inner_state (optax_accum.inner_state
+                                    finds it inside chains too)
+  acc_grads (the running MEAN)      acc_grads (the running SUM of w_i g_i;
+                                    the mean so far is acc_grads /
+                                    acc_weight; zeros after a cycle ends,
+                                    on every backend)
+  skip_state                        num_skipped (a count over the run)
+
+Checkpoints. A ``MultiSteps`` checkpoint does not restore into an
+``accumulate`` target: the field names differ, and Orbax,
+``flax.serialization.from_state_dict`` and
+``flax.training.checkpoints.restore_checkpoint`` raise a structure error.
+To switch a run mid-training, restore with the *old* optimizer's target,
+convert, and go on::
+
+  old = optax.MultiSteps(inner, every_k_schedule=k)
+  tx = optax_accum.accumulate(inner, every_k=k)
+  ms_state = checkpointer.restore(path, old.init(params))
+  state = optax_accum.multisteps.from_multisteps(ms_state, tx.init(params))
+
+:func:`to_multisteps` goes back. A restore that instead fills the fields a
+``MultiSteps`` checkpoint lacks from a fresh ``accumulate`` target (a
+lenient restorer, or a hand-merged state dict) leaves ``acc_grads`` holding
+``MultiSteps``' running mean beside a fresh counter: ``update`` then raises
+an error naming :func:`from_multisteps` (checked where the state's values
+are concrete, i.e. outside ``jit``). A checkpoint saved at a cycle boundary
+holds nothing that tells the two apart (zeros in ``acc_grads``): restore it
+with the old target as above.
+
+Places that change in a trainer: the optimizer's construction; every script
+that rebuilds it to restore (restore with ``MultiSteps`` once, convert, then
+save and restore ``accumulate`` states from then on); ``.has_updated`` ->
+``optax_accum.has_updated``; reads of ``mini_step``, ``gradient_step`` and
+``inner_opt_state``; the apply step (``optax_accum.apply_updates``).
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_accum._state import AccumulateState, find_state
+
+__all__ = ("from_multisteps", "to_multisteps")
+
+
+def _check_multisteps_state(ms_state: Any) -> None:
+  if not isinstance(ms_state, optax.MultiStepsState):
+    raise TypeError(
+      "`ms_state` must be an optax.MultiStepsState (restore the checkpoint"
+      " with the MultiSteps optimizer's init as the target), got"
+      f" {type(ms_state).__name__}."
+    )
+
+
+def from_multisteps(
+  ms_state: optax.MultiStepsState,
+  target: Any,
+  *,
+  use_grad_mean: bool = True,
+  every_k: int | None = None,
+) -> Any:
+  r"""The ``accumulate`` state that continues a ``MultiSteps`` run.
+
+  The cycle goes on where it was: ``micro_step`` and ``step`` are
+  ``mini_step`` and ``gradient_step``, ``inner_state`` is
+  ``inner_opt_state``, and the accumulator holds the running sum
+  :math:`n \bar g` (with ``use_grad_mean``, ``MultiSteps`` keeps the running
+  mean :math:`\bar g` of the :math:`n` = ``mini_step`` micro-batches), of
+  weight :math:`n`. Continued with the same gradients, the run matches the
+  unswitched one to float32 rounding.
+
+  Args:
+    ms_state: The ``optax.MultiStepsState``, restored with the
+      ``MultiSteps`` optimizer's ``init`` as the target.
+    target: A fresh state of the ``accumulate`` transformation that takes
+      over (``tx.init(params)``), or an optimizer state holding one (an
+      ``optax.chain`` state): its layout, dtypes and records are kept.
+    use_grad_mean: The ``MultiSteps`` argument of the same name (what its
+      ``acc_grads`` holds).
+    every_k: The current cycle's number of micro-batches, when ``every_k``
+      is a schedule (``schedule(gradient_step)``); default: the target's.
+
+  Returns:
+    `target` with its :class:`~optax_accum.AccumulateState` replaced.
+
+  Raises:
+    TypeError: If `ms_state` is not a ``MultiStepsState`` or `target` holds
+      no ``AccumulateState``.
+    ValueError: If the inner state's or the accumulator's tree differs.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> params = jnp.zeros(2)
+    >>> old = optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
+    >>> _, ms = old.update(jnp.array([2.0, 4.0]), old.init(params), params)
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
+    >>> state = optax_accum.multisteps.from_multisteps(ms, tx.init(params))
+    >>> u, state = tx.update(jnp.array([4.0, 8.0]), state, params)
+    >>> print(u)  # -(2 + 4) / 2, -(4 + 8) / 2
+    [-3. -6.]
+  """
+  _check_multisteps_state(ms_state)
+  fresh = find_state(target, "from_multisteps")
+  _same_tree("inner_opt_state", ms_state.inner_opt_state, fresh.inner_state)
+  _same_tree("acc_grads", ms_state.acc_grads, fresh.acc_grads)
+  n = jnp.asarray(ms_state.mini_step, jnp.int32)
+  scale = n.astype(jnp.float32) if use_grad_mean else jnp.float32(1)
+  acc = jax.tree.map(
+    lambda m, a: (m.astype(jnp.float32) * scale).astype(a.dtype),
+    ms_state.acc_grads,
+    fresh.acc_grads,
+  )
+  step = jnp.asarray(ms_state.gradient_step, jnp.int32)
+  k = fresh.every_k if every_k is None else jnp.asarray(every_k, jnp.int32)
+  state = fresh._replace(
+    micro_step=n,
+    step=step,
+    every_k=k,
+    acc_grads=acc,
+    acc_weight=n.astype(jnp.float32),
+    # MultiSteps counts no micro-batches: k per optimizer step so far.
+    weight_seen=jnp.stack([(step * k).astype(jnp.float32), jnp.float32(0)]),
+    inner_state=jax.tree.map(
+      lambda x, t: jnp.asarray(x, jnp.result_type(t)),
+      ms_state.inner_opt_state,
+      fresh.inner_state,
+    ),
+    emitted=(n == 0) & (step > 0),
+  )
+  return _replace_state(target, fresh, state)
+
+
+def to_multisteps(
+  opt_state: Any, *, use_grad_mean: bool = True, skip_state: Any = ()
+) -> optax.MultiStepsState:
+  """The ``optax.MultiStepsState`` that continues an ``accumulate`` run.
+
+  The inverse of :func:`from_multisteps`, for a run that goes back (or a
+  tool that reads ``MultiSteps`` states). Defined for unweighted cycles:
+  with ``update(..., weight=)`` the running mean is the weighted one.
+
+  Args:
+    opt_state: An optimizer state holding one ``AccumulateState``.
+    use_grad_mean: The ``MultiSteps`` that takes over averages (True) or
+      sums (False).
+    skip_state: The ``skip_state`` its ``should_skip_update_fn`` starts
+      from (``()`` without one).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
+    >>> params = jnp.zeros(2)
+    >>> _, state = tx.update(jnp.array([2.0, 4.0]), tx.init(params), params)
+    >>> ms = optax_accum.multisteps.to_multisteps(state)
+    >>> print(ms.mini_step, ms.acc_grads)
+    1 [2. 4.]
+  """
+  state = find_state(opt_state, "to_multisteps")
+  n = state.micro_step
+  if use_grad_mean:
+    inv = jnp.where(state.acc_weight > 0, 1 / state.acc_weight, 0.0)
+    acc = jax.tree.map(lambda a: (a * inv).astype(a.dtype), state.acc_grads)
+  else:
+    acc = state.acc_grads
+  return optax.MultiStepsState(
+    mini_step=n,
+    gradient_step=state.step,
+    inner_opt_state=state.inner_state,
+    acc_grads=acc,
+    skip_state=skip_state,
+  )
+
+
+def _same_tree(name: str, got: Any, want: Any) -> None:
+  if jax.tree.structure(got) != jax.tree.structure(want):
+    raise ValueError(
+      f"`ms_state.{name}` has the tree {jax.tree.structure(got)}, but the"
+      f" target's is {jax.tree.structure(want)}: build the target with the"
+      " same inner optimizer and params as the MultiSteps run."
+    )
+
+
+def _replace_state(target: Any, old: AccumulateState, new: AccumulateState):
+  if target is old:
+    return new
+  return jax.tree.map(
+    lambda x: new if x is old else x,
+    target,
+    is_leaf=lambda x: x is old,
+  )
