@@ -6,6 +6,9 @@ The top level holds what a train step uses; the rest sits in namespaces:
   for ``accumulate(..., axis_name=...)`` across devices;
 * :mod:`optax_accum.inspect`: what a compiled step runs (collectives, the
   reduction deferred), imported only when used;
+* :mod:`optax_accum.flax`: drop-ins for ``nnx.Optimizer`` and linen's
+  ``TrainState`` (imports flax when used);
+* :mod:`optax_accum.multisteps`: coming from ``optax.MultiSteps``;
 * :mod:`optax_accum.types`: the state records;
 * :mod:`optax_accum.targets`: accelerators to compile for without one.
 
@@ -76,7 +79,14 @@ _MOVED = {
 
 # Namespaces imported on first use, so that `import optax_accum` stays light
 # (no HLO reader, no flax) while `optax_accum.inspect.collectives` works.
-_NAMESPACES = ("distributed", "inspect", "multisteps", "targets", "types")
+_NAMESPACES = (
+  "distributed",
+  "flax",
+  "inspect",
+  "multisteps",
+  "targets",
+  "types",
+)
 
 
 def __getattr__(name: str):

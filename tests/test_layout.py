@@ -1,0 +1,97 @@
+"""The package's shape (issue 26): a small top level, inspection loaded only
+when used, old names that warn, no test-only module in the wheel, a landing
+README, and library functions and modules a reader can hold."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import optax_accum
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "optax_accum"
+
+
+def test_top_level_is_small():
+  assert len(optax_accum.__all__) <= 16, optax_accum.__all__
+  for name in optax_accum.__all__:
+    assert getattr(optax_accum, name) is not None
+
+
+def test_import_loads_no_hlo_reader():
+  code = (
+    "import sys, optax_accum\n"
+    "print(sorted(m for m in sys.modules if m.startswith('optax_accum.')))"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, check=True
+  ).stdout
+  assert "optax_accum._accumulate" in out  # the check sees modules at all
+  for name in ("inspect", "_hlo", "_groups", "_collectives", "targets"):
+    assert name not in out, out
+
+
+@pytest.mark.parametrize(
+  ("name", "namespace"),
+  [
+    ("collectives", "inspect"),
+    ("local_value_and_grad", "distributed"),
+    ("NoiseScaleState", "types"),
+  ],
+)
+def test_moved_names_warn_and_still_work(name, namespace):
+  with pytest.warns(DeprecationWarning, match=f"optax_accum.{namespace}"):
+    old = getattr(optax_accum, name)
+  assert old is getattr(getattr(optax_accum, namespace), name)
+
+
+def test_an_unknown_name_is_an_attribute_error():
+  with pytest.raises(AttributeError, match="no attribute 'nope'"):
+    optax_accum.nope  # noqa: B018
+
+
+def test_no_test_only_module_ships():
+  """The program reader used by tests and benchmarks lives in tools/."""
+  shipped = {p.stem for p in PACKAGE.rglob("*.py")}
+  assert "program" not in shipped and "_program" not in shipped
+  assert (ROOT / "tools" / "program.py").exists()
+
+
+def test_readme_is_a_landing_page():
+  assert len((ROOT / "README.md").read_text().splitlines()) <= 260
+
+
+def _code_lines(node: ast.FunctionDef) -> int:
+  """Lines of a function's body, without its signature and docstring."""
+  body = node.body
+  first = body[0]
+  if (
+    len(body) > 1
+    and isinstance(first, ast.Expr)
+    and isinstance(getattr(first, "value", None), ast.Constant)
+  ):
+    body = body[1:]
+  return node.end_lineno - body[0].lineno + 1
+
+
+def test_functions_and_modules_a_reader_can_hold():
+  long_functions, long_modules = [], []
+  for path in PACKAGE.rglob("*.py"):
+    text = path.read_text()
+    if len(text.splitlines()) > 600:
+      long_modules.append(path.name)
+    for node in ast.walk(ast.parse(text)):
+      if isinstance(node, ast.FunctionDef) and _code_lines(node) > 60:
+        long_functions.append(f"{path.name}:{node.name}")
+  assert not long_modules and not long_functions, (long_modules, long_functions)
+  accumulate = (PACKAGE / "_accumulate.py").read_text()
+  assert len(accumulate.splitlines()) <= 700
+  update = next(
+    n
+    for n in ast.walk(ast.parse(accumulate))
+    if isinstance(n, ast.FunctionDef) and n.name == "_update"
+  )
+  assert _code_lines(update) <= 40
