@@ -22,6 +22,7 @@ its own: the same values, in a program that may copy the accumulator on
 micro-steps; ``optax_accum.inspect.check_step`` reports it.
 """
 
+import contextlib
 import weakref
 from typing import Any, NamedTuple
 
@@ -44,6 +45,29 @@ class _Record(NamedTuple):
 
 # id(first update leaf) -> _Record, while that leaf (a tracer) lives.
 _RECORDS: dict[int, _Record] = {}
+
+# While :func:`watching` is active: what ``update`` and :func:`apply_updates`
+# did in the traces it covers (for ``optax_accum.inspect.check_step``).
+_EVENTS: list[str] | None = None
+
+
+@contextlib.contextmanager
+def watching():
+  """Collects, in the list it yields, one event per traced ``update``
+  (``"update"``) and :func:`apply_updates` call (``"applied"``: the update's
+  own result; ``"static"``: a static call; ``"fallback"``: updates or params
+  other than the update's, applied in a conditional of their own)."""
+  global _EVENTS
+  outer, _EVENTS = _EVENTS, []
+  try:
+    yield _EVENTS
+  finally:
+    _EVENTS = outer
+
+
+def _event(name: str) -> None:
+  if _EVENTS is not None:
+    _EVENTS.append(name)
 
 
 def _is_tracer(x: Any) -> bool:
@@ -76,6 +100,7 @@ def remember(
   leaves = jax.tree.leaves(updates)
   if not leaves or not all(map(_is_tracer, leaves)):
     return  # Eager: nothing runs that could be skipped.
+  _event("update")
   key = id(leaves[0])
   _RECORDS[key] = _Record(_refs(updates), emitted, _refs(params), new_params)
   weakref.finalize(leaves[0], _RECORDS.pop, key, None)
@@ -144,16 +169,19 @@ def apply_updates(
     return optax.apply_updates(params, updates)
   record = _recall(updates)
   if record is not None and isinstance(record.emitted, bool):
+    _event("static")
     return optax.apply_updates(params, updates) if record.emitted else params
   if (
     record is not None
     and record.new_params is not None
     and _same(record.params, params)
   ):
+    _event("applied")
     return record.new_params
   # jnp.asarray unwraps array-like leaves too, such as the OptArray leaves
   # of a flax.nnx.Optimizer's opt_state.
   emitted = jnp.asarray(state.emitted if record is None else record.emitted)
   if not _is_tracer(emitted):
     return optax.apply_updates(params, updates) if bool(emitted) else params
+  _event("fallback")
   return _control.cond(emitted, optax.apply_updates, _keep, params, updates)

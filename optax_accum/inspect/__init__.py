@@ -11,6 +11,9 @@ reader). Everything here reads the program XLA compiled for a step
   runs on a micro-step.
 """
 
+from optax_accum.inspect._check_step import StepReport as StepReport
+from optax_accum.inspect._check_step import assert_step as assert_step
+from optax_accum.inspect._check_step import check_step as check_step
 from optax_accum.inspect._collectives import Collective as Collective
 from optax_accum.inspect._collectives import (
   assert_reduction_deferred as assert_reduction_deferred,
@@ -22,6 +25,9 @@ from optax_accum.inspect._collectives import (
 
 __all__ = (
   "Collective",
+  "StepReport",
+  "assert_step",
+  "check_step",
   "assert_reduction_deferred",
   "collectives",
   "format_collectives",

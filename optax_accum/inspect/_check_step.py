@@ -1,0 +1,232 @@
+"""``check_step``: what a user's own jitted train step does on a micro-step.
+
+The step is traced and compiled for its arguments (here, with the installed
+backend); the report reads the trace (which ``apply_updates`` ran) and the
+compiled program (donation, conditionals, copies on the micro-step path,
+memory beyond the accumulator).
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from optax_accum import _apply
+from optax_accum._state import AccumulateState, is_accumulate_state
+from optax_accum.inspect import _program
+
+# Copies smaller than this are not reported (a tiny model's counters).
+_MIN_COPY_BYTES = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+  """What :func:`check_step` found.
+
+  Attributes:
+    problems: One line per fault, each naming its fix; empty at the floor.
+    micro_step_bytes: Operand plus result bytes of the kernels a micro-step
+      runs (a measure of structure, not a time).
+    accumulator_bytes: Bytes of the accumulator (``acc_grads``).
+    temp_bytes: The compiled step's temporary memory.
+    conditionals: Conditionals the step runs on every call.
+    copies: Copies of at least half the largest accumulator leaf (and 4
+      KiB) that a micro-step runs.
+    undonated: Arguments holding the ``AccumulateState`` or the params that
+      are not donated (their positions).
+  """
+
+  problems: tuple[str, ...]
+  micro_step_bytes: int
+  accumulator_bytes: int
+  temp_bytes: int
+  conditionals: int
+  copies: tuple[str, ...]
+  undonated: tuple[int, ...]
+
+  def __str__(self) -> str:
+    lines = [
+      f"micro-step kernel bytes: {self.micro_step_bytes}",
+      f"accumulator bytes: {self.accumulator_bytes}",
+      f"temporary memory: {self.temp_bytes} bytes",
+      f"conditionals on every call: {self.conditionals}",
+    ]
+    if not self.problems:
+      return "\n".join(["step check: no problem found", *lines])
+    problems = [f"  - {p}" for p in self.problems]
+    return "\n".join(["step check: problems found", *problems, *lines])
+
+
+def _accumulate_states(args: tuple) -> list[tuple[int, AccumulateState]]:
+  found = []
+  for i, arg in enumerate(args):
+    for x in jax.tree.leaves(arg, is_leaf=is_accumulate_state):
+      if is_accumulate_state(x):
+        found.append((i, x))
+  return found
+
+
+def _params_positions(args: tuple, acc_grads: Any) -> list[int]:
+  """Arguments whose tree is the accumulator's (the params)."""
+  structure = jax.tree.structure(acc_grads)
+  return [
+    i
+    for i, arg in enumerate(args)
+    if not _accumulate_states((arg,)) and jax.tree.structure(arg) == structure
+  ]
+
+
+def _undonated(lowered: Any, positions: list[int]) -> list[int]:
+  args_info, _ = lowered.args_info
+  return [
+    i
+    for i in positions
+    if not all(leaf.donated for leaf in jax.tree.leaves(args_info[i]))
+  ]
+
+
+def _trace_problems(events: list[str]) -> list[str]:
+  problems = []
+  updates = events.count("update")
+  applied = sum(events.count(e) for e in ("applied", "static"))
+  if "fallback" in events:
+    problems.append(
+      "optax_accum.apply_updates got updates other than those accumulate"
+      " returned (a transformation after accumulate in the chain?) and"
+      " applies them in a conditional of its own: put accumulate last, or"
+      " pass its own updates and params"
+    )
+  elif updates and not applied:
+    problems.append(
+      "the updates are applied without optax_accum.apply_updates (e.g."
+      " optax.apply_updates, nnx.Optimizer.update): every micro-step reads"
+      " and writes the params; use optax_accum.apply_updates(params,"
+      " updates, opt_state) or optax_accum.flax.Optimizer / TrainState"
+    )
+  return problems
+
+
+def check_step(step: Any, *args: Any, emit: bool | None = None) -> StepReport:
+  """Compiles `step` for `args` and reports what its micro-step does.
+
+  `step` is the user's train step, ``jax.jit``-wrapped as it runs (its
+  donation included); one of `args` holds the optimizer state with an
+  :class:`~optax_accum.AccumulateState`. Found problems name their fix:
+
+  * an argument holding the state or the params that is not donated
+    ("donate argument i"): the accumulator is then copied, not updated in
+    place;
+  * updates applied without :func:`optax_accum.apply_updates`;
+  * no conditional in a step whose cycle is decided on the device (the
+    inner optimizer then runs on every call: a ``lax.cond`` turned into
+    selects); with ``emit=`` (a static cycle, no conditional by design),
+    pass ``emit=`` here too;
+  * copies of accumulator-sized buffers on the micro-step path;
+  * temporary memory above the accumulator's size.
+
+  Args:
+    step: A ``jax.jit``-wrapped function (a plain function is jitted here,
+      without donation, and reported so).
+    *args: Its arguments (arrays or ``jax.ShapeDtypeStruct``).
+    emit: Whether the step is a static one (``emit=True/False`` inside):
+      then no conditional is expected.
+
+  Returns:
+    A :class:`StepReport`; ``print`` it, or use :func:`assert_step`.
+
+  Examples:
+    >>> import functools, jax, jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.adam(1e-3), every_k=4)
+    >>> params = {"w": jnp.zeros((64, 64))}
+    >>> @functools.partial(jax.jit, donate_argnums=(0, 1))
+    ... def step(params, state, x):
+    ...   grads = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"])))(params)
+    ...   updates, state = tx.update(grads, state, params)
+    ...   return optax_accum.apply_updates(params, updates, state), state
+    >>> report = optax_accum.inspect.check_step(
+    ...   step, params, tx.init(params), jnp.ones((8, 64)))
+    >>> report.problems
+    ()
+  """
+  if not hasattr(step, "lower"):
+    step = jax.jit(step)
+  states = _accumulate_states(args)
+  if len(states) != 1:
+    raise ValueError(
+      "`args` must hold exactly one AccumulateState (the optimizer state"
+      f" of optax_accum.accumulate), found {len(states)}."
+    )
+  # A fresh trace of the function itself (a new wrapper each time: a trace
+  # of `step`, or of a function traced before, may be cached).
+  function = getattr(step, "__wrapped__", step)
+  with _apply.watching() as events:
+    jax.make_jaxpr(lambda *a: function(*a))(*args)
+  report = _compiled_facts(step.lower(*args), args, *states[0], emit)
+  problems = _donation_problems(report.undonated) + _trace_problems(events)
+  problems += _program_problems(report, events, emit)
+  return dataclasses.replace(report, problems=tuple(problems))
+
+
+def _compiled_facts(lowered, args, state_position, state, emit) -> StepReport:
+  """The report's figures, without the problems."""
+  compiled = lowered.compile()
+  program = _program.Program(compiled)
+  acc_leaves = jax.tree.leaves(state.acc_grads)
+  largest = max((x.size * x.dtype.itemsize for x in acc_leaves), default=0)
+  positions = [state_position, *_params_positions(args, state.acc_grads)]
+  copies = ()
+  if emit is not True:  # A static emitting step has no micro-step.
+    copies = tuple(
+      f"{k.name}: {k.shape}"
+      for k in program.copies(min_bytes=max(_MIN_COPY_BYTES, largest // 2))
+    )
+  memory = compiled.memory_analysis()
+  return StepReport(
+    problems=(),
+    micro_step_bytes=program.kernel_bytes(),
+    accumulator_bytes=sum(x.size * x.dtype.itemsize for x in acc_leaves),
+    temp_bytes=int(getattr(memory, "temp_size_in_bytes", 0)) if memory else 0,
+    conditionals=program.conditionals(),
+    copies=copies,
+    undonated=tuple(_undonated(lowered, sorted(set(positions)))),
+  )
+
+
+def _donation_problems(undonated: tuple[int, ...]) -> list[str]:
+  if not undonated:
+    return []
+  which = ", ".join(map(str, undonated))
+  return [
+    f"argument(s) {which} (the optimizer state / params) not donated:"
+    f" donate them, jax.jit(..., donate_argnums={tuple(undonated)}), so"
+    " that the accumulator and the params are updated in place, not copied"
+  ]
+
+
+def _program_problems(report: StepReport, events, emit) -> list[str]:
+  problems = []
+  if emit is None and events.count("update") and not report.conditionals:
+    problems.append(
+      "no conditional: the inner optimizer runs on every call (a lax.cond"
+      " turned into selects); if the step passes emit=, pass emit= here"
+    )
+  if report.copies:
+    problems.append(
+      f"{len(report.copies)} accumulator-sized copies on a micro-step:"
+      f" {report.copies}"
+    )
+  acc, temp = report.accumulator_bytes, report.temp_bytes
+  if temp > 1.05 * acc and temp > 1 << 20:
+    problems.append(
+      f"temporary memory is {temp / max(acc, 1):.2f}x the accumulator's"
+      " bytes (expected at most about 1x)"
+    )
+  return problems
+
+
+def assert_step(step: Any, *args: Any, emit: bool | None = None) -> None:
+  """:func:`check_step`, raising an ``AssertionError`` with the report if
+  it found a problem."""
+  report = check_step(step, *args, emit=emit)
+  if report.problems:
+    raise AssertionError(str(report))

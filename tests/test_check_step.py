@@ -1,0 +1,128 @@
+"""``optax_accum.inspect.check_step``: it passes the documented recipes as
+printed and flags each planted fault with its fix: no donation,
+``optax.apply_updates`` in the traced step, a ``lax.cond`` turned into
+selects, a transformation after ``accumulate``."""
+
+import functools
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+import test_docs
+
+import optax_accum
+from optax_accum import _control
+from optax_accum.inspect import assert_step, check_step
+
+WIDTH = 128
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _problem():
+  params = {"w1": jnp.zeros((WIDTH, WIDTH)), "w2": jnp.zeros((WIDTH, WIDTH))}
+  x = jnp.ones((8, WIDTH))
+  return params, x
+
+
+def _loss(params, x):
+  return jnp.sum(jnp.tanh(jnp.tanh(x @ params["w1"]) @ params["w2"]))
+
+
+def _step(tx, apply="ours", donate=(0, 1)):
+  def step(params, state, x):
+    grads = jax.grad(_loss)(params, x)
+    updates, state = tx.update(grads, state, params)
+    if apply == "ours":
+      return optax_accum.apply_updates(params, updates, state), state
+    return optax.apply_updates(params, updates), state
+
+  return jax.jit(step, donate_argnums=donate)
+
+
+def _check(step, tx, **kwargs):
+  params, x = _problem()
+  return check_step(step, params, tx.init(params), x, **kwargs)
+
+
+def test_the_hand_written_step_passes():
+  tx = optax_accum.accumulate(optax.adam(1e-3), 4)
+  report = _check(_step(tx), tx)
+  assert report.problems == (), str(report)
+  assert report.conditionals >= 1 and report.undonated == ()
+  assert "no problem found" in str(report)
+  assert_step(_step(tx), *_problem()[:1], tx.init(_problem()[0]), _problem()[1])
+
+
+def test_the_readme_quick_start_as_printed_passes():
+  """The quick start's own `train_step`, run from the README's text."""
+  block = next(
+    b for b in test_docs.python_blocks(README) if "def train_step" in b.code
+  )
+  namespace = {}
+  exec(test_docs.SETUPS["micro_batches"], namespace)
+  exec(block.code.split("opt_state = tx.init")[0], namespace)
+  tx, params = namespace["tx"], namespace["params"]
+  batch = namespace["micro_batches"][0]
+  report = check_step(namespace["train_step"], params, tx.init(params), batch)
+  assert report.problems == (), str(report)
+
+
+def test_no_donation_is_flagged_with_the_fix():
+  tx = optax_accum.accumulate(optax.adam(1e-3), 4)
+  report = _check(_step(tx, donate=()), tx)
+  assert report.undonated == (0, 1)
+  assert any("argument(s) 0, 1 " in p for p in report.problems)
+  assert any("donate_argnums=(0, 1)" in p for p in report.problems)
+  assert report.copies  # what the missing donation costs
+  with pytest.raises(AssertionError, match="not donated"):
+    params, x = _problem()
+    assert_step(_step(tx, donate=()), params, tx.init(params), x)
+
+
+def test_optax_apply_updates_is_flagged_with_the_fix():
+  tx = optax_accum.accumulate(optax.adam(1e-3), 4)
+  report = _check(_step(tx, apply="optax"), tx)
+  assert any("use optax_accum.apply_updates" in p for p in report.problems)
+
+
+def test_a_transformation_after_accumulate_is_flagged():
+  tx = optax.chain(
+    optax_accum.accumulate(optax.adam(1e-3), 4), optax.scale(1.0)
+  )
+  report = _check(_step(tx), tx)
+  assert any("put accumulate last" in p for p in report.problems)
+
+
+def _selects(pred, true_fun, false_fun, *operands):
+  """A conditional turned into selects: both branches run every call."""
+  true, false = true_fun(*operands), false_fun(*operands)
+  return jax.tree.map(lambda t, f: jnp.where(pred, t, f), true, false)
+
+
+def test_a_cond_turned_into_selects_is_flagged(monkeypatch):
+  monkeypatch.setattr(_control, "cond", _selects)
+  tx = optax_accum.accumulate(optax.adam(1e-3), 4)
+  report = _check(_step(tx), tx)
+  assert report.conditionals == 0
+  assert any("no conditional" in p for p in report.problems)
+
+
+@pytest.mark.parametrize("emit", [False, True])
+def test_a_static_step_passes_when_told(emit):
+  tx = optax_accum.accumulate(optax.adam(1e-3), 4)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, state, x):
+    grads = jax.grad(_loss)(params, x)
+    updates, state = tx.update(grads, state, params, emit=emit)
+    return optax_accum.apply_updates(params, updates, state), state
+
+  assert _check(step, tx, emit=emit).problems == ()
+  assert any("no conditional" in p for p in _check(step, tx).problems)
+
+
+def test_args_without_an_accumulate_state_name_the_argument():
+  with pytest.raises(ValueError, match="`args` must hold exactly one"):
+    check_step(jax.jit(lambda x: x), jnp.ones(2))
