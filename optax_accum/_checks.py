@@ -252,7 +252,7 @@ def state(value: Any, track_noise_scale: bool) -> None:
       "`state` must be the AccumulateState returned by this"
       f" transformation's init, got {type(value).__name__}."
     )
-  _not_a_foreign_restore(value)
+  not_a_foreign_restore(value)
   tracked = isinstance(value.noise, NoiseScaleState)
   if tracked != track_noise_scale:
     raise ValueError(
@@ -262,7 +262,7 @@ def state(value: Any, track_noise_scale: bool) -> None:
     )
 
 
-def _not_a_foreign_restore(value: AccumulateState) -> None:
+def not_a_foreign_restore(value: AccumulateState) -> None:
   """Raises if a concrete state holds a sum with no cycle under way.
 
   No call leaves that (a cycle's end leaves zeros and weight 0; optax_accum

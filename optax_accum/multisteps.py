@@ -56,7 +56,9 @@ convert, and go on::
 lenient restorer, or a hand-merged state dict) leaves ``acc_grads`` holding
 ``MultiSteps``' running mean beside a fresh counter: ``update`` then raises
 an error naming :func:`from_multisteps` (checked where the state's values
-are concrete, i.e. outside ``jit``). A checkpoint saved at a cycle boundary
+are concrete, i.e. outside ``jit``; Orbax's ``partial_restore=True`` is such
+a restore). A step jitted from its first call is not checked: call
+:func:`check_restored` on the restored state. A checkpoint saved at a cycle boundary
 holds nothing that tells the two apart (zeros in ``acc_grads``): restore it
 with the old target as above.
 
@@ -73,9 +75,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_accum import _checks
 from optax_accum._state import AccumulateState, find_state
 
-__all__ = ("from_multisteps", "to_multisteps")
+__all__ = ("check_restored", "from_multisteps", "to_multisteps")
 
 
 def _check_multisteps_state(ms_state: Any) -> None:
@@ -223,3 +226,18 @@ def _replace_state(target: Any, old: AccumulateState, new: AccumulateState):
     target,
     is_leaf=lambda x: x is old,
   )
+
+
+def check_restored(opt_state: Any) -> None:
+  """Raises if `opt_state` looks like a ``MultiSteps`` checkpoint restored
+  into a fresh ``accumulate`` target (a non-zero ``acc_grads`` with no
+  cycle under way), naming :func:`from_multisteps`; a state that ``update``
+  left passes. Call it after a restore when the train step is jitted from
+  its first call (``update`` checks eagerly by itself).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
+    >>> optax_accum.multisteps.check_restored(tx.init(jnp.zeros(2)))
+  """
+  _checks.not_a_foreign_restore(find_state(opt_state, "check_restored"))

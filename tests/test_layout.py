@@ -99,3 +99,14 @@ def test_functions_and_modules_a_reader_can_hold():
     if isinstance(n, ast.FunctionDef) and n.name == "_update"
   )
   assert _code_lines(update) <= 40
+
+
+def test_targets_print_the_compiler_requirements():
+  """What the Makefile runs to install the accelerator compilers."""
+  out = subprocess.run(
+    [sys.executable, "-m", "optax_accum.targets"],
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout.split()
+  assert out and all("==" in r or "@" in r or ">=" in r for r in out), out

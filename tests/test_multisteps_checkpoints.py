@@ -187,3 +187,34 @@ def test_a_lenient_restore_fails_on_first_use_naming_the_converter(use_jit):
   _, mid = tx.update(_grads(0), fresh, params)
   tx.update(_grads(1), mid, params)
   tx.update(_grads(1), mid._replace(micro_step=jnp.int32(0)), params)
+
+
+@pytest.mark.filterwarnings("ignore:Sharding info not provided:UserWarning")
+def test_orbax_partial_restore_is_caught_on_first_eager_use(tmp_path):
+  """Orbax's partial restore fills the fields a MultiSteps checkpoint lacks
+  from the fresh target (the silent route): the first eager update raises
+  naming the converter. (Under jit it is not detected: see
+  help(optax_accum.multisteps).)"""
+  ms_state = _mid_cycle_multisteps_state()
+  tx = _new()
+  params = _params()
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "ckpt", ms_state)
+  checkpointer.wait_until_finished()
+  restored = ocp.PyTreeCheckpointer().restore(
+    tmp_path / "ckpt",
+    args=ocp.args.PyTreeRestore(item=tx.init(params), partial_restore=True),
+  )
+  assert int(restored.micro_step) == 0  # the fresh target's counter
+  with pytest.raises(ValueError, match=r"multisteps\.from_multisteps"):
+    tx.update(_grads(0), restored, params)
+
+
+def test_check_restored_names_the_converter():
+  ms_state = _mid_cycle_multisteps_state()
+  tx = _new()
+  fresh = tx.init(_params())
+  wrong = fresh._replace(acc_grads=ms_state.acc_grads)
+  with pytest.raises(ValueError, match=r"multisteps\.from_multisteps"):
+    multisteps.check_restored((optax.EmptyState(), wrong))
+  multisteps.check_restored(multisteps.from_multisteps(ms_state, fresh))

@@ -138,7 +138,3 @@ def mesh(
     return jax.sharding.Mesh(devices, tuple(axis_names))
   types = (jax.sharding.AxisType.Explicit,) * len(axis_names)
   return jax.sharding.Mesh(devices, tuple(axis_names), axis_types=types)
-
-
-if __name__ == "__main__":
-  print(" ".join(requirements()))
