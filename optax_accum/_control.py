@@ -6,8 +6,9 @@ Two parts:
   every value's type records the mesh axes it varies over; a ``psum``
   removes the axis, so the branches of a conditional that reduces in one
   branch only would disagree): :func:`varying_axes`, :func:`vary_over`,
-  :func:`varies_over`, :func:`switch` and :func:`cond`. Outside
-  ``shard_map`` (and under ``vmap``) they change nothing.
+  :func:`to_varying`, :func:`varies_over`, :func:`switch` and
+  :func:`cond`. Outside ``shard_map`` (and under ``vmap``) they change
+  nothing.
 * **XLA workarounds.** Each function below the line says what XLA does
   without it (seen with jax/jaxlib 0.10.2), and which test fails when the
   plain form replaces it. At its call site each looks like a no-op or an
@@ -44,7 +45,16 @@ def vary_over(x: Any, axes: frozenset) -> Any:
   missing = tuple(sorted(axes - varying_axes(jax.typeof(x)), key=str))
   if not missing:
     return x
-  return lax.pcast(x, missing, to="varying")
+  return to_varying(x, missing)
+
+
+def to_varying(tree: Any, axis_name: Hashable) -> Any:
+  """``lax.pcast(tree, axis_name, to="varying")``: marks every leaf as
+  varying over the manual axes `axis_name` (a name or a tuple of names)."""
+  if not hasattr(lax, "pcast"):
+    # jax < 0.8.2 names it `lax.pvary` (removed in jax 0.10).
+    return lax.pvary(tree, axis_name)
+  return lax.pcast(tree, axis_name, to="varying")
 
 
 def varies_over(tree: Any, axis_name: Hashable) -> bool:

@@ -24,7 +24,6 @@ axis; ``neg``, ``sub``, ``abs`` and ``is_finite`` have no unreduced rule;
 it an unreduced input cannot be made varying again.
 """
 
-import inspect
 from collections.abc import Hashable
 from typing import Any
 
@@ -34,6 +33,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from optax_accum import _versions
 from optax_accum._control import axis_tuple
 
 AxisName = Hashable
@@ -45,13 +45,21 @@ AxisName = Hashable
 
 
 def is_supported() -> bool:
-  """Whether the installed JAX has ``reduced``/``unreduced`` shardings."""
+  """Whether the installed JAX has ``reduced``/``unreduced`` shardings with
+  the rules an accumulator needs.
+
+  jax 0.8.2 to 0.10.1 have the names (``jax.reshard``, ``lax.pcast``,
+  ``PartitionSpec(unreduced=...)``) but not every rule: 0.10.1 has no
+  unreduced rule for ``select_n`` (``jnp.where``, :func:`where`) and raises
+  ``NotImplementedError``. So the release decides, and the names are
+  checked too (a JAX that moved one fails here, not mid-trace).
+  """
   return (
-    hasattr(jax.sharding, "AxisType")
+    _versions.jax_at_least(_versions.UNREDUCED_JAX)
+    and hasattr(jax.sharding, "AxisType")
     and hasattr(jax, "reshard")
     and hasattr(jax, "shard_map")
     and hasattr(lax, "pcast")
-    and "unreduced" in inspect.signature(P).parameters
   )
 
 
@@ -59,11 +67,13 @@ def check_supported() -> None:
   """Raises a RuntimeError if the installed JAX lacks unreduced shardings."""
   if not is_supported():
     raise RuntimeError(
-      "Deferred reduction under plain `jax.jit` needs JAX's explicit"
-      " sharding with `reduced`/`unreduced` PartitionSpecs,"
-      " `jax.reshard`, `jax.shard_map` and `lax.pcast`; the installed jax"
-      f" {jax.__version__} lacks them (they are in jax 0.10.2). Upgrade"
-      " jax, or use `axis_name=` inside `jax.shard_map` instead."
+      "Deferred reduction under plain `jax.jit` (`axis_name=` an explicit"
+      " mesh axis outside `jax.shard_map`, gradients typed unreduced,"
+      " `optax_accum.distributed.local_value_and_grad`) needs"
+      f" jax>={_versions.UNREDUCED_JAX} (installed {jax.__version__}): it needs"
+      " `reduced`/`unreduced` PartitionSpecs with their rules for"
+      " `jnp.where`, `jax.reshard` and `lax.pcast`. Upgrade jax, or use"
+      " `axis_name=` inside `jax.shard_map` instead."
     )
 
 

@@ -1,20 +1,34 @@
 """The oldest jax, jaxlib and optax optax_accum works with, checked on import.
 
-The minimums are the oldest releases with which the whole test suite passes
-(README, "Requirements"; ``pyproject.toml`` declares the same):
+The minimums are the oldest releases with which the core passes:
+``accumulate``, ``apply_updates``, ``microbatch``, the state readers,
+``grow_every_k`` and ``axis_name`` inside ``jax.shard_map``, ``pmap`` or a
+named ``vmap`` (``make test-oldest`` runs that part of the suite on exactly
+these releases, pinned in ``constraints/oldest.txt``; README,
+"Requirements"; ``pyproject.toml`` declares the same):
 
-* jax 0.10.2: the first with an unreduced/reduced rule for ``select_n`` (the
-  accumulator's ``jnp.where`` under plain ``jit``, ``_unreduced.py``); 0.10.1
-  raises ``NotImplementedError`` there. Older ones lack more: ``lax.pcast``
-  and ``jax.reshard`` (before 0.8.2), ``jax.sharding.AxisType`` (0.4).
-* jaxlib 0.10.2: jax 0.10.2 accepts jaxlib 0.10.1, with which XLA:GPU keeps
-  the micro-step's conditionals out of the CUDA command buffer and the
-  compiled collectives print their groups in another form.
-* optax 0.2.8: 0.2.7 does not import on jax 0.10.2 (it sets the config
-  option ``jax_pmap_shmap_merge``, which jax 0.10.2 no longer has); 0.2.4 to
-  0.2.6 import ``chex`` and keep a smaller ``MultiSteps`` with bf16 params
-  than the suite holds ``accumulate`` to; 0.2.3 lacks
-  ``optax.safe_increment``.
+* jax 0.7.1: the first with ``jax.set_mesh`` (0.7.0 has only
+  ``jax.sharding.use_mesh``; ``distributed.state_shardings`` on an explicit
+  mesh and the tests set meshes with it). 0.6 lacks more: ``jnp.zeros`` has
+  no ``out_sharding`` (accumulators on an explicit mesh, ``_tree.py``), and
+  a ``ShapeDtypeStruct``'s ``vma`` may be ``None``. Before jax 0.8.2
+  ``lax.pcast(x, axes, to="varying")`` is ``lax.pvary(x, axes)``
+  (``_control.to_varying``).
+* jaxlib 0.7.1: the one jax 0.7.1 asks for.
+* optax 0.2.4: 0.2.3 lacks ``optax.safe_increment``. An optax may also not
+  import on a jax newer than itself (0.2.7 on jax 0.10.2 sets the config
+  option ``jax_pmap_shmap_merge``, which that jax no longer has): then
+  :func:`check` names both and asks for a newer optax.
+
+One feature needs a newer jax, and says so when used instead of at import
+(``UNREDUCED_JAX``): deferring the reduction under plain ``jax.jit``
+(``axis_name=`` an explicit mesh axis outside ``shard_map``, gradients typed
+unreduced, ``distributed.local_value_and_grad``, HSDP under plain ``jit``)
+needs jax 0.10.2, the first with an unreduced rule for ``select_n`` (the
+accumulator's ``jnp.where``; 0.10.1 raises ``NotImplementedError``; before
+0.8.2 there is no ``jax.reshard`` either). The whole suite, that feature and
+the compiled-program checks included, runs on jax/jaxlib 0.10.2 and optax
+0.2.8 (``make test``).
 
 Older releases fail later and obscurely (on jax 0.4.28, ``cannot import name
 'AxisType' from 'jax.sharding'``). The package imports this module first,
@@ -28,7 +42,11 @@ import importlib.metadata
 import re
 from collections.abc import Mapping
 
-MINIMUM = {"jax": "0.10.2", "jaxlib": "0.10.2", "optax": "0.2.8"}
+MINIMUM = {"jax": "0.7.1", "jaxlib": "0.7.1", "optax": "0.2.4"}
+
+# The jax that deferring the reduction under plain `jit` needs (see above);
+# `_unreduced.check_supported` raises naming it where the feature is used.
+UNREDUCED_JAX = "0.10.2"
 
 
 def release(version: str) -> tuple[int, ...]:
@@ -37,6 +55,13 @@ def release(version: str) -> tuple[int, ...]:
   release counts as that release (``"0.10.3.dev20260101"`` as 0.10.3)."""
   match = re.match(r"\d+(?:\.\d+)*", version)
   return tuple(int(part) for part in match.group().split(".")) if match else ()
+
+
+def jax_at_least(version: str) -> bool:
+  """Whether the installed jax is `version` or newer."""
+  import jax
+
+  return release(jax.__version__) >= release(version)
 
 
 def too_old(installed: Mapping[str, str]) -> list[str]:
@@ -84,10 +109,17 @@ def check() -> None:
     import optax
   except Exception as error:
     version = _distribution_version("optax")
-    found = version and message({"optax": version})
-    if found:
-      raise ImportError(found) from error
-    raise
+    if version is None:
+      raise
+    raise ImportError(
+      message({"optax": version})
+      or (
+        f"optax_accum needs an optax that imports with jax {jax.__version__};"
+        f" installed: optax {version}, whose import fails"
+        f" ({type(error).__name__}: {error}). Upgrade with `pip install"
+        " --upgrade optax`."
+      )
+    ) from error
   found = message({"optax": optax.__version__})
   if found:
     raise ImportError(found)

@@ -18,6 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
+from optax_accum._control import to_varying
 from optax_accum.inspect._hlo import HloModule, array_shapes
 
 N_DEV = 8
@@ -318,7 +319,9 @@ def test_shard_map_replicated_params_recipe(check_vma):
     # Under check_vma=True, jax.grad sums the gradient of replicated params
     # over the devices itself (every micro-step); for params marked as
     # varying it stays local and unreduced. A no-op with check_vma=False.
-    local_params = lax.pcast(params, "data", to="varying")
+    # `lax.pcast(params, "data", to="varying")` (`lax.pvary` before jax
+    # 0.8.2).
+    local_params = to_varying(params, "data")
     grad, tokens = jax.grad(_mean_loss, has_aux=True)(local_params, x, y, mask)
     updates, state = tx.update(grad, state, params, weight=tokens)
     params = optax.apply_updates(params, updates)
@@ -407,7 +410,7 @@ def _compiled_micro_step(recipe, k):
     def local(params, state, x, y, mask):
       state = jax.tree.map(lambda a: a[0], state)
       # The local gradient (jax.grad would all-reduce it under check_vma).
-      local_params = lax.pcast(params, "data", to="varying")
+      local_params = to_varying(params, "data")
       grad, tokens = jax.grad(_mean_loss, has_aux=True)(
         local_params, x, y, mask
       )

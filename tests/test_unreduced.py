@@ -315,7 +315,19 @@ def test_error_when_jax_lacks_the_feature(monkeypatch):
   assert _unreduced.is_supported()
   monkeypatch.delattr(jax, "reshard")
   assert not _unreduced.is_supported()
-  with pytest.raises(RuntimeError, match=r"installed jax .* lacks them"):
+  with pytest.raises(RuntimeError, match=r"needs jax>=0\.10\.2 \(installed"):
+    _unreduced.check_explicit_axis("data")
+
+
+def test_error_names_the_version_on_an_older_jax(monkeypatch):
+  # jax 0.8.2 to 0.10.1 have every name but not every rule (select_n).
+  monkeypatch.setattr(jax, "__version__", "0.10.1")
+  assert not _unreduced.is_supported()
+  with pytest.raises(
+    RuntimeError,
+    match=r"^Deferred reduction under plain `jax.jit` .* needs"
+    r" jax>=0\.10\.2 \(installed 0\.10\.1\)",
+  ):
     _unreduced.check_explicit_axis("data")
 
 

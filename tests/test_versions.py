@@ -28,7 +28,8 @@ FAKE_OLD_JAX = {
   "jax/sharding.py": "class Mesh: ...\n\n\nclass PartitionSpec: ...\n",
 }
 FAKE_OLD_OPTAX = {"optax/__init__.py": '__version__ = "0.2.2"\n'}
-# optax 0.2.7 on jax 0.10.2: installed, but its import fails.
+# optax 0.2.7 on jax 0.10.2: installed, new enough for optax_accum, but its
+# import fails.
 FAKE_BROKEN_OPTAX = {
   "optax/__init__.py": (
     "raise AttributeError('Unrecognized config option: jax_pmap_shmap_merge')\n"
@@ -75,16 +76,16 @@ def test_the_fake_old_jax_reproduces_the_issue(tmp_path):
 
 def test_an_old_jax_fails_at_import_naming_the_minimum(tmp_path):
   result, last = _import_error(tmp_path, FAKE_OLD_JAX)
-  assert last.startswith("ImportError: optax_accum needs jax>=0.10.2,"), last
+  assert last.startswith("ImportError: optax_accum needs jax>=0.7.1,"), last
   assert "installed: jax 0.4.28." in last, last
-  assert '"jax>=0.10.2" "jaxlib>=0.10.2" "optax>=0.2.8"' in last, last
+  assert '"jax>=0.7.1" "jaxlib>=0.7.1" "optax>=0.2.4"' in last, last
   assert "AxisType" not in result.stderr
 
 
 def test_an_old_optax_fails_at_import_naming_the_minimum(tmp_path):
   result, last = _import_error(tmp_path, FAKE_OLD_OPTAX)
   assert last.startswith("ImportError: optax_accum needs"), last
-  assert "optax>=0.2.8" in last, last
+  assert "optax>=0.2.4" in last, last
   assert "installed: optax 0.2.2." in last, last
 
 
@@ -99,9 +100,9 @@ def test_release_compares_numbers_not_strings():
 
 
 def test_only_the_versions_below_the_minimum_are_named():
-  assert _versions.too_old({"jax": "0.10.2", "jaxlib": "0.10.1"}) == ["jaxlib"]
-  message = _versions.message({"jax": "0.10.2", "jaxlib": "0.10.1"})
-  assert "installed: jaxlib 0.10.1." in message
+  assert _versions.too_old({"jax": "0.7.1", "jaxlib": "0.7.0"}) == ["jaxlib"]
+  message = _versions.message({"jax": "0.7.1", "jaxlib": "0.7.0"})
+  assert "installed: jaxlib 0.7.0." in message
   message = _versions.message({"jax": "0.4.28", "jaxlib": "0.4.28"})
   assert "installed: jax 0.4.28 and jaxlib 0.4.28." in message
   new = {"jax": "0.10.3.dev20260101", "jaxlib": "0.11.0", "optax": "0.2.8"}
@@ -131,9 +132,36 @@ def test_readme_states_the_minimums():
     assert f"`{name}>={version}`" in paragraph
 
 
-def test_an_old_optax_that_does_not_import_is_named(tmp_path):
+def test_an_optax_that_does_not_import_is_named(tmp_path):
+  # Not too old for optax_accum (0.2.7 works on older jax), but too old for
+  # the installed jax: the message names both and the error.
   result, last = _import_error(tmp_path, FAKE_BROKEN_OPTAX)
-  assert last.startswith("ImportError: optax_accum needs"), last
-  assert "installed: optax 0.2.7." in last, last
+  assert last.startswith(
+    "ImportError: optax_accum needs an optax that imports with jax"
+  ), last
+  assert "installed: optax 0.2.7, whose import fails (AttributeError:" in last
+  assert "pip install --upgrade optax" in last, last
   # The cause stays in the traceback.
   assert "jax_pmap_shmap_merge" in result.stderr
+
+
+def test_an_optax_too_old_that_does_not_import_names_the_minimum(tmp_path):
+  files = {
+    name.replace("0.2.7", "0.2.3"): text.replace("0.2.7", "0.2.3")
+    for name, text in FAKE_BROKEN_OPTAX.items()
+  }
+  result, last = _import_error(tmp_path, files)
+  assert last.startswith("ImportError: optax_accum needs"), last
+  assert "installed: optax 0.2.3." in last, last
+
+
+def test_the_oldest_stack_pins_the_minimums():
+  """`make test-oldest` runs the core on exactly the declared minimums."""
+  text = (ROOT / "constraints" / "oldest.txt").read_text()
+  pins = dict(
+    line.split("==", 1)
+    for line in text.splitlines()
+    if line and not line.startswith("#")
+  )
+  for name, version in _versions.MINIMUM.items():
+    assert pins[name] == version, name

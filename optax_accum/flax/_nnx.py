@@ -3,6 +3,7 @@
 
 from typing import Any
 
+import flax
 import jax.numpy as jnp
 import optax
 from flax import nnx
@@ -53,6 +54,13 @@ class Optimizer(nnx.Optimizer):
     Returns:
       The updates (exact zeros on a micro-step).
     """
+    if not hasattr(nnx, "as_pure"):
+      raise RuntimeError(
+        "optax_accum.flax.Optimizer needs flax>=0.12.7 (installed"
+        f" {flax.__version__}), for `nnx.as_pure`; flax 0.12.7 needs"
+        " jax>=0.10. Upgrade flax, or apply with"
+        " optax_accum.apply_updates in your own step."
+      )
     params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
     grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
     opt_state = nnx.as_pure(self.opt_state)
