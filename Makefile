@@ -38,8 +38,9 @@ lint: $(STAMP)
 # module-scoped fixtures, e.g. the multi-process run) on one worker.
 PYTEST_WORKERS ?= 2
 
-# Then the core on the oldest supported stack (test-oldest, below): about
-# 25 s to install and 100 s to run on 2 busy cores.
+# Then the core on the oldest supported stack (test-oldest, below): 30-45 s
+# to install (pip's cache warm) and 100-105 s to run, measured on 2 cores
+# shared with another test run.
 test: $(STAMP) $(ACCEL_STAMP) lint
 	OPTAX_ACCUM_ACCEL=$(abspath $(ACCEL)) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope
 	$(MAKE) --no-print-directory test-oldest
