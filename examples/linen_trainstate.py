@@ -4,8 +4,8 @@
 keyword arguments to ``tx.update``: it passes them to ``replace``, so
 ``apply_gradients(grads=g, weight=n)`` raises ``TypeError: ... unexpected
 keyword argument 'weight'`` (flax 0.12), and ``flush=`` cannot reach the
-optimizer either. Subclass it once (``AccumTrainState`` below) and decide
-what ``step`` counts:
+optimizer either. ``optax_accum.flax.TrainState`` forwards them; subclass it
+once (``AccumTrainState`` below) to decide what ``step`` counts:
 
 * ``counts="calls"`` (the default): micro-batches, as TrainState's own
   ``step`` does. A trainer that uses ``state.step`` as its data position (to
@@ -38,7 +38,7 @@ import optax_accum
 STEP_COUNTS = ("calls", "optimizer_steps")
 
 
-class AccumTrainState(train_state.TrainState):
+class AccumTrainState(optax_accum.flax.TrainState):
   """A TrainState whose `apply_gradients` passes `weight=`, `flush=` and
   `emit=` on, and leaves the params untouched on a micro-step
   (`optax_accum.apply_updates`).
@@ -50,28 +50,14 @@ class AccumTrainState(train_state.TrainState):
 
   counts: str = struct.field(pytree_node=False, default="calls")
 
-  def apply_gradients(
-    self,
-    *,
-    grads: Any,
-    weight: Any = None,
-    flush: Any = False,
-    emit: bool | None = None,
-    **kwargs,
-  ):
-    updates, opt_state = self.tx.update(
-      grads, self.opt_state, self.params, weight=weight, flush=flush, emit=emit
-    )
+  def apply_gradients(self, *, grads: Any, **kwargs: Any):
+    """``optax_accum.flax.TrainState.apply_gradients`` (``weight=``,
+    ``flush=``, ``emit=`` reach ``tx.update``), counting as `counts` says."""
+    new = super().apply_gradients(grads=grads, **kwargs)
     if self.counts == "calls":
-      step = self.step + 1
-    else:  # params only move when a cycle completes
-      step = self.step + optax_accum.has_updated(opt_state)
-    return self.replace(
-      step=step,
-      params=optax_accum.apply_updates(self.params, updates, opt_state),
-      opt_state=opt_state,
-      **kwargs,
-    )
+      return new
+    # params only move when a cycle completes
+    return new.replace(step=self.step + optax_accum.has_updated(new.opt_state))
 
 
 def loss_fn(params, apply_fn, x, y, mask):
