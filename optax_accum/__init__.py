@@ -34,6 +34,7 @@ from optax_accum._noise_scale import noise_scale as noise_scale
 from optax_accum._noise_scale import (
   noise_scale_components as noise_scale_components,
 )
+from optax_accum._plan import plan_micro_batch as plan_micro_batch
 from optax_accum._state import AccumulateState as AccumulateState
 from optax_accum._state import current_every_k as current_every_k
 from optax_accum._state import has_updated as has_updated
@@ -55,6 +56,7 @@ __all__ = (
   "noise_scale",
   "noise_scale_components",
   "piecewise_every_k",
+  "plan_micro_batch",
   "weight_seen",
 )
 

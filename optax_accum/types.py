@@ -4,11 +4,21 @@
 :class:`AccumulateState` is the state (also at the top level); its ``noise``
 field holds a :class:`NoiseScaleState` with ``track_noise_scale=True`` and
 its ``grow`` field a :class:`GrowState` with ``every_k=grow_every_k(...)``,
-each an ``optax.EmptyState()`` otherwise.
+each an ``optax.EmptyState()`` otherwise. :class:`MicroBatchPlan` (with its
+:class:`Candidate` rows) is what :func:`optax_accum.plan_micro_batch`
+returns.
 """
 
+from optax_accum._plan import Candidate as Candidate
+from optax_accum._plan import MicroBatchPlan as MicroBatchPlan
 from optax_accum._state import AccumulateState as AccumulateState
 from optax_accum._state import GrowState as GrowState
 from optax_accum._state import NoiseScaleState as NoiseScaleState
 
-__all__ = ("AccumulateState", "GrowState", "NoiseScaleState")
+__all__ = (
+  "AccumulateState",
+  "Candidate",
+  "GrowState",
+  "MicroBatchPlan",
+  "NoiseScaleState",
+)

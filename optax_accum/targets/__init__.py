@@ -22,6 +22,7 @@ in CUDA command buffers from 12.3 on.
 
 import functools
 import importlib.metadata
+import os
 import pathlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -45,17 +46,51 @@ class Target(NamedTuple):
   topology: str
   devices: int
   description: str
+  memory_bytes: int = 0
+  peak_flops: float = 0.0
+  memory_bandwidth: float = 0.0
 
+
+# Per device, from the vendors' published figures: the H100 SXM's 80 GiB
+# (``device_memory_size`` in ``h100_sxm.txtpb``), 989 TFLOP/s dense bf16 and
+# 3.35 TB/s; the TPU v5e's 16 GiB of HBM of which XLA:TPU offers programs
+# 15.75 GiB (its out-of-memory message says so), 197 TFLOP/s bf16 and
+# 819 GB/s. The rates are for estimates only (nothing here is timed).
+_H100 = dict(
+  memory_bytes=80 * 2**30, peak_flops=989e12, memory_bandwidth=3.35e12
+)
+_V5E = dict(
+  memory_bytes=int(15.75 * 2**30), peak_flops=197e12, memory_bandwidth=819e9
+)
 
 TARGETS = {
   t.name: t
   for t in (
-    Target("h100", "cuda", "1x1x1", 1, "1 NVIDIA H100 SXM"),
-    Target("h100x8", "cuda", "1x1x8", 8, "8 NVIDIA H100 SXM (one host)"),
-    Target("v5e_2x2", "tpu", "v5e:2x2", 4, "TPU v5e, 2x2 (4 chips)"),
-    Target("v5e_2x4", "tpu", "v5e:2x4", 8, "TPU v5e, 2x4 (8 chips)"),
+    Target("h100", "cuda", "1x1x1", 1, "1 NVIDIA H100 SXM", **_H100),
+    Target(
+      "h100x8", "cuda", "1x1x8", 8, "8 NVIDIA H100 SXM (one host)", **_H100
+    ),
+    Target("v5e_2x2", "tpu", "v5e:2x2", 4, "TPU v5e, 2x2 (4 chips)", **_V5E),
+    Target("v5e_2x4", "tpu", "v5e:2x4", 8, "TPU v5e, 2x4 (8 chips)", **_V5E),
   )
 }
+
+# JAX's share of a GPU's memory by default (its allocator preallocates
+# XLA_PYTHON_CLIENT_MEM_FRACTION of the device, 0.75 unless set).
+_GPU_MEMORY_FRACTION = 0.75
+
+
+def memory_limit(name: str) -> int:
+  """Bytes a program may use on one device of target `name`, as JAX would
+  give them: on a GPU, ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (default 0.75) of
+  the device's memory; on a TPU, what XLA:TPU offers programs."""
+  target = TARGETS[name]
+  if target.platform != "cuda":
+    return target.memory_bytes
+  fraction = float(
+    os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", _GPU_MEMORY_FRACTION)
+  )
+  return int(target.memory_bytes * fraction)
 
 
 def requirements() -> list[str]:
