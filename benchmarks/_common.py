@@ -26,13 +26,13 @@ import jax
 import jaxlib
 import numpy as np
 import optax
+from _models import MB as MB
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 import optax_accum
 
-MB = 2**20
 # Where `make bench` leaves its results: benchmarks/README.md reads them.
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -31,12 +31,11 @@ class Plannable:
   global_batch: int
 
 
-def jitted_step(loss: Callable[[Any, Any], jax.Array], *, remat: bool = False):
+def jitted_step(loss: Callable[[Any, Any], jax.Array]):
   """The train step users write: gradient, ``accumulate(adam)``, applied
   with ``optax_accum.apply_updates``, params and state donated. The plan
   does not depend on ``every_k``; train with the plan's."""
   tx = optax_accum.accumulate(optax.adam(1e-3), every_k=2)
-  loss = jax.checkpoint(loss) if remat else loss
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, opt_state, batch):
@@ -54,17 +53,28 @@ def _abstract_args(init: Callable[[], Any], tx, batch_for) -> Callable:
 
 
 def mlp(
-  width: int = 512, layers: int = 4, features: int = 512, global_batch=4096
+  width: int = 512,
+  layers: int = 4,
+  features: int = 512,
+  global_batch: int = 4096,
+  *,
+  remat: bool = False,
 ):
-  """Dense tanh layers on ``(n, features)`` inputs; squared output."""
+  """Dense tanh layers on ``(n, features)`` inputs; squared output (with
+  `remat`, each layer under ``jax.checkpoint``)."""
 
   def init():
     shapes = [(features, width)] + [(width, width)] * (layers - 1)
     return [jnp.zeros(s, jnp.float32) for s in shapes]
 
+  def layer(x, w):
+    return jnp.tanh(jnp.tanh(x @ w) @ w.T @ w)
+
+  layer = jax.checkpoint(layer) if remat else layer
+
   def loss(params, x):
     for w in params:
-      x = jnp.tanh(x @ w)
+      x = layer(x, w)
     return jnp.mean(x**2)
 
   step, tx = jitted_step(loss)
@@ -74,10 +84,13 @@ def mlp(
   return Plannable("mlp", step, args_for, global_batch)
 
 
-def transformer(cfg: ModelConfig | None = None, global_batch=256, **kw):
-  """The benchmarks' decoder-only language model on token sequences."""
+def transformer(
+  cfg: ModelConfig | None = None, global_batch=256, *, remat: bool = False
+):
+  """The benchmarks' decoder-only language model on token sequences (with
+  `remat`, each block under ``jax.checkpoint``)."""
   cfg = ModelConfig() if cfg is None else cfg
-  step, tx = jitted_step(make_loss(cfg), **kw)
+  step, tx = jitted_step(make_loss(cfg, remat=remat))
   args_for = _abstract_args(
     lambda: init_params(jax.random.key(0), cfg),
     tx,

@@ -277,7 +277,17 @@ def _where(target: Any, memory_limit: int | None) -> _Where:
       f" {', '.join(targets.TARGETS)} (or None for this machine)."
     )
   spec = targets.TARGETS[target]
-  mesh = targets.mesh(target, (spec.devices,), ("data",))
+  targets.check_cpu_only()
+  try:
+    mesh = targets.mesh(target, (spec.devices,), ("data",))
+  except Exception as e:
+    raise RuntimeError(
+      f"`target` {target!r}: this machine has no compiler for"
+      f" {spec.description}. Install it, `pip install --no-deps"
+      f" {' '.join(targets.requirements())}` (`python -m"
+      " optax_accum.targets` prints them), and set JAX_PLATFORMS=cpu before"
+      f" JAX starts. ({type(e).__name__}: {e})"
+    ) from e
   limit = memory_limit or targets.memory_limit(target)
   return _Where(
     spec.description, limit, mesh, spec.peak_flops, spec.memory_bandwidth
@@ -399,12 +409,39 @@ class _Compiler:
         raise
       peak, cost = _required_bytes(str(e)), None
     else:
-      peak, cost = _peak(compiled.memory_analysis()), _cost(compiled, lowered)
+      peak, cost = _peak(compiled.memory_analysis()), _cost(compiled)
     seconds = time.perf_counter() - start
     fits = peak is not None and peak <= self.budget
     self.trials[n] = Candidate(self.name, n, peak, fits, seconds)
     self.costs[n] = cost
     return self.trials[n]
+
+  def cost(self, n: int) -> tuple[float, float] | None:
+    """(flops, bytes accessed) per device of a micro-step of `n`: the
+    compiler's figures, else (XLA:GPU without a device gives none) the
+    program's before partitioning, from this machine's backend, split evenly
+    over the devices."""
+    if self.costs.get(n) is None:
+      args = _placed(_call_args_for(self.args_for, n), self.where.mesh)
+      devices = 1 if self.where.mesh is None else self.where.mesh.devices.size
+      here = jax.tree.map(
+        lambda x: (
+          jax.ShapeDtypeStruct(x.shape, x.dtype)
+          if isinstance(x, jax.ShapeDtypeStruct)
+          else x
+        ),
+        args,
+      )
+      analysis = _analysis(self.step.lower(*here).cost_analysis())
+      self.costs[n] = (
+        None
+        if analysis is None
+        else (
+          analysis[0] / devices,
+          analysis[1] / devices,
+        )
+      )
+    return self.costs[n]
 
 
 def _peak(memory: Any) -> int:
@@ -431,24 +468,19 @@ def _required_bytes(message: str) -> int | None:
   return int(float(found.group(1)) * scale)
 
 
-def _cost(compiled: Any, lowered: Any) -> tuple[float, float] | None:
-  """(flops, bytes accessed) per device, from the compiler where it gives
-  them, else from the lowered program split over the devices."""
-  analysis, devices = compiled.cost_analysis(), 1
-  if not analysis:
-    analysis = lowered.cost_analysis()
-    devices = _devices(compiled)
+def _cost(compiled: Any) -> tuple[float, float] | None:
+  """(flops, bytes accessed) per device, where the compiler gives them."""
+  return _analysis(compiled.cost_analysis())
+
+
+def _analysis(analysis: Any) -> tuple[float, float] | None:
   if isinstance(analysis, (list, tuple)):
     analysis = analysis[0] if analysis else None
   if not analysis:
     return None
-  flops = float(analysis.get("flops", 0.0))
-  return flops / devices, float(analysis.get("bytes accessed", 0.0)) / devices
-
-
-def _devices(compiled: Any) -> int:
-  shardings = jax.tree.leaves(compiled.input_shardings)
-  return max((len(s.device_set) for s in shardings), default=1)
+  return float(analysis.get("flops", 0.0)), float(
+    analysis.get("bytes accessed", 0.0)
+  )
 
 
 def _search(compiler: _Compiler, sizes: list[int], global_batch: int):
@@ -459,7 +491,6 @@ def _search(compiler: _Compiler, sizes: list[int], global_batch: int):
     return None
   if len(sizes) == 1 or compiler(sizes[-1]).fits:
     return compiler.trials[sizes[-1] if len(sizes) > 1 else sizes[0]]
-  _check_growth(compiler.trials[sizes[0]], compiler.trials[sizes[-1]])
   lo, hi, used = 0, len(sizes) - 1, 2
   while hi - lo > 1:
     i = _next_index(compiler, sizes, lo, hi, bound - used)
@@ -492,18 +523,6 @@ def _next_index(compiler, sizes, lo: int, hi: int, compiles_left: int) -> int:
   return middle
 
 
-def _check_growth(first: Candidate, last: Candidate) -> None:
-  if first.peak_bytes is None or last.peak_bytes is None:
-    return
-  if last.peak_bytes <= first.peak_bytes:
-    raise ValueError(
-      "`args_for` does not reach the step's memory: the compiled peak does"
-      f" not grow with n ({first.peak_bytes} bytes at n={first.micro_batch},"
-      f" {last.peak_bytes} at n={last.micro_batch}); args_for(n) must give"
-      " a batch of n examples that the step uses."
-    )
-
-
 def _estimate(cost, every_k: int, where: _Where) -> float | None:
   """Seconds per optimizer step at the target's peak rates (an estimate)."""
   if cost is None or not where.peak_flops or not where.memory_bandwidth:
@@ -528,7 +547,7 @@ def _choose(found: dict, where: _Where, budget: int, global_batch: int):
       estimates[name] = None
       continue
     every_k = global_batch // chosen.micro_batch
-    cost = compiler.costs.get(chosen.micro_batch)
+    cost = compiler.cost(chosen.micro_batch)
     estimates[name] = _estimate(cost, every_k, where)
     work = (0.0, 0.0) if cost is None else cost
     keys[name] = (
