@@ -10,6 +10,10 @@ above a block's opening fence, change that:
   the reader. Keep setups small; they are part of the docs' contract.
 * ``<!-- docs-test: skip: REASON -->`` does not run the block (a cluster, a
   network). Used sparingly: `test_few_blocks_are_skipped` caps the count.
+* ``<!-- docs-test: accelerator -->`` runs the block alone, in a process that
+  compiles for a GPU or TPU without one (``_common.accel_env()``: the
+  compilers ``make test`` installs, ``JAX_PLATFORMS=cpu``); it must define
+  everything it uses.
 
 A ```text block right after a ```python block (nothing but blank lines
 between) is the block's expected output: what the block prints must equal it.
@@ -27,6 +31,7 @@ import subprocess
 import sys
 import tomllib
 
+import _common
 import pytest
 
 import optax_accum
@@ -113,7 +118,8 @@ data_parallel_micro_batches = [
 }
 
 _MARKER = re.compile(
-  r"<!--\s*docs-test:\s*(setup=(?P<setup>\w+)|skip:(?P<skip>.+?))\s*-->"
+  r"<!--\s*docs-test:\s*(setup=(?P<setup>\w+)|skip:(?P<skip>.+?)"
+  r"|(?P<accelerator>accelerator))\s*-->"
 )
 
 
@@ -125,6 +131,7 @@ class Block:
   setup: str | None
   skip: str | None
   expected_output: str | None
+  accelerator: bool = False
 
   @property
   def id(self) -> str:
@@ -164,6 +171,7 @@ def python_blocks(path: pathlib.Path) -> list[Block]:
         setup=marker and marker["setup"],
         skip=marker and marker["skip"] and marker["skip"].strip(),
         expected_output=output,
+        accelerator=bool(marker and marker["accelerator"]),
       )
     )
   return blocks
@@ -207,20 +215,38 @@ def runner(request, tmp_path_factory):
   return get
 
 
+def _run_on_its_own(block: Block, tmp_path: pathlib.Path) -> str:
+  """Runs an accelerator block in a process of its own; its stdout."""
+  script = tmp_path / "block.py"
+  script.write_text(block.code)
+  result = subprocess.run(
+    [sys.executable, str(script)],
+    env=_common.accel_env(),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 0, f"{block.id}:\n{result.stderr[-4000:]}"
+  return result.stdout
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
-def test_readme_block_runs(block, runner):
+def test_readme_block_runs(block, runner, tmp_path):
   if block.skip:
     pytest.skip(block.skip)
-  readme = runner(block.path)
-  # Earlier blocks first (when this test runs alone, e.g. with -k).
-  for earlier in python_blocks(block.path):
-    if earlier.line == block.line:
-      break
-    if not earlier.skip:
-      readme.run(earlier)
-  error, stdout = readme.run(block)
-  if error is not None:
-    raise error
+  if block.accelerator:
+    stdout = _run_on_its_own(block, tmp_path)
+  else:
+    readme = runner(block.path)
+    # Earlier blocks first (when this test runs alone, e.g. with -k).
+    for earlier in python_blocks(block.path):
+      if earlier.line == block.line:
+        break
+      if not earlier.skip and not earlier.accelerator:
+        readme.run(earlier)
+    error, stdout = readme.run(block)
+    if error is not None:
+      raise error
   if block.expected_output is not None:
     assert stdout.rstrip() == block.expected_output.rstrip()
 
@@ -236,7 +262,7 @@ def test_blocks_are_found_and_markers_are_known():
     # Every marker sits right above a python block (no stray, ignored ones).
     markers = re.findall(r"^<!-- docs-test:", text, flags=re.M)
     assert len(markers) == sum(
-      1 for b in python_blocks(path) if b.setup or b.skip
+      1 for b in python_blocks(path) if b.setup or b.skip or b.accelerator
     ), path
     for block in python_blocks(path):
       ast.parse(block.code)  # skipped blocks must at least be Python
