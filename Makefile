@@ -72,8 +72,10 @@ $(OLD_STAMP): constraints/oldest.txt
 test-oldest: $(OLD_STAMP)
 	$(OLD_PY) -m pytest -q $(CORE_TESTS) -k "not nojit"
 
-demo: $(STAMP)
-	$(PY) examples/lm/main.py
+# The demo ends with plans for this machine and one H100 (examples/lm/plan.py),
+# the H100's compiled with the compilers of $(ACCEL).
+demo: $(STAMP) $(ACCEL_STAMP)
+	OPTAX_ACCUM_ACCEL=$(abspath $(ACCEL)) $(PY) examples/lm/main.py
 
 # Adaptive batch size on the demo (~15 min on 2 busy cores): rewrites
 # examples/lm/results/, the figures that examples/lm/README.md quotes.

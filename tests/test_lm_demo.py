@@ -20,6 +20,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = [
+  "--no-plan",  # tested apart: test_the_demo_plans_its_model
   "--steps",
   "4",
   "--every-k",
@@ -46,6 +47,7 @@ _LM_MODULES = (
   "checkpointing",
   "train",
   "report",
+  "planning",
   "main",
 )
 
@@ -68,6 +70,7 @@ def import_lm() -> types.SimpleNamespace:
     ckpt=modules["checkpointing"],
     train=modules["train"],
     main=modules["main"],
+    planning=modules["planning"],
   )
 
 
@@ -293,3 +296,13 @@ def test_wire_dtype_bfloat16_changes_the_run_a_little(tmp_path):
   assert 0 < row["max_abs_params_diff"] < 1e-2
   assert abs(row["heldout"]["bfloat16"] - row["heldout"]["float32"]) < 1e-2
   assert "| 0 |" in (tmp_path / "wire_dtype.md").read_text()
+
+
+def test_the_demo_plans_its_model(lm, tiny_cfg):
+  """The plan `make demo` prints, here for this machine and a small batch
+  (the H100's runs in the docs' accelerator block and tests/test_plan.py)."""
+  plan = lm.planning.plan(tiny_cfg, None, 256)
+  assert plan.micro_batch * plan.every_k == 256
+  assert plan.limit_bytes == lm.planning.physical_memory()
+  assert plan.peak_bytes <= plan.budget_bytes
+  assert "plan for this machine" in str(plan)

@@ -37,6 +37,7 @@ from rich.progress import (
 
 from config import Config
 from input_pipeline import load_data
+from planning import GLOBAL_BATCH, plan, plan_in_subprocess
 from report import interpret_noise_scale, make_table, plot
 from train import (
   LOSS_ATOL,
@@ -204,6 +205,12 @@ def parse_args(
     help="where the plot, JSON and checkpoints go",
   )
   parser.add_argument(
+    "--plan",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="then plan a scaled-up run (planning.py) for this machine and one H100",
+  )
+  parser.add_argument(
     "--resume-check",
     action=argparse.BooleanOptionalAction,
     default=True,
@@ -238,9 +245,24 @@ def parse_args(
   return cfg, args
 
 
+def print_plans(cfg: Config, console: Console) -> None:
+  """The accumulation of this model at GLOBAL_BATCH sequences a step,
+  planned by compiling (planning.py): for this machine, then for one H100."""
+  console.print(
+    f"\nPlanning a scaled-up run ({GLOBAL_BATCH} sequences per optimizer"
+    " step) with optax_accum.plan_micro_batch: compiled, never run."
+  )
+  console.print(str(plan(cfg, None, GLOBAL_BATCH)), markup=False)
+  h100 = plan_in_subprocess("h100", GLOBAL_BATCH, cfg)
+  console.print(h100, markup=False)
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
   cfg, args = parse_args(argv)
-  return run_demo(cfg, args.out, check_resume=args.resume_check)
+  summary = run_demo(cfg, args.out, check_resume=args.resume_check)
+  if args.plan:
+    print_plans(cfg, Console())
+  return summary
 
 
 if __name__ == "__main__":
