@@ -90,6 +90,7 @@ bench: $(STAMP) $(ACCEL_STAMP)
 	$(PY) benchmarks/bench_train.py
 	JAX_PLATFORMS=cpu PYTHONPATH=$(abspath $(ACCEL)) $(PY) benchmarks/bench_comm.py
 	JAX_PLATFORMS=cpu PYTHONPATH=$(abspath $(ACCEL)) $(PY) benchmarks/bench_compiled.py
+	JAX_PLATFORMS=cpu PYTHONPATH=$(abspath $(ACCEL)) $(PY) benchmarks/bench_plan.py
 	$(PY) benchmarks/render_readme.py
 
 clean:

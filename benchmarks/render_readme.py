@@ -454,12 +454,51 @@ def performance(payloads: dict[str, dict[str, Any]]) -> str:
   )
 
 
+def bench_plan(payload: dict[str, Any]) -> str:
+  """The planner's choice against every candidate compiled."""
+  rows = [
+    [
+      r["model"],
+      r["target"],
+      str(r["global_batch"]),
+      f"{r['limit_bytes'] / 2**30:.0f} GiB",
+      f"{r['micro_batch']} x {r['every_k']}",
+      str(r["true_micro_batch"]),
+      f"{r['compiles']} (bound {r['bound']})",
+      _spread(r["seconds"], 1),
+      f"{r['all_compiles']} / {r['all_seconds']:.0f} s",
+    ]
+    for r in payload["rows"]
+  ]
+  m = payload["machine"]
+  return (
+    f"Compiled on {m['cpu_count']} CPUs (jax {m['jax']},"
+    f" {m['timestamp'][:10]}); planner seconds: median (min-max) over"
+    f" {payload['args']['repeats']} cold runs.\n\n"
+    + _table(
+      [
+        "model",
+        "target",
+        "global batch",
+        "limit",
+        "plan: micro-batch x every_k",
+        "true largest",
+        "planner compiles",
+        "planner s",
+        "every candidate: compiles / s",
+      ],
+      rows,
+    )
+  )
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
   "bench_step": bench_step,
   "bench_train": bench_train,
   "bench_comm": bench_comm,
   "bench_comm-sharded": bench_comm_sharded,
   "bench_compiled": bench_compiled,
+  "bench_plan": bench_plan,
   "wire_dtype": wire_dtype,
   "performance": performance,
 }

@@ -262,8 +262,26 @@ def test_bench_compiled_on_cpu_writes_its_facts(tmp_path):
     assert (tmp_path / f"bench_compiled.{suffix}").stat().st_size > 0
 
 
+def test_bench_plan_on_cpu_finds_the_true_largest(tmp_path):
+  """bench_plan.py for the CPU alone (the H100's plans are
+  tests/test_plan.py's): the planner's choice is the largest candidate
+  that fits, found by compiling every one, within the compile bound."""
+  result = _run(
+    "bench_plan",
+    *("--models", "mlp", "--targets", "cpu", "--repeats", "1"),
+    *("--out", str(tmp_path)),
+  )
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  (row,) = json.loads((tmp_path / "bench_plan.json").read_text())["rows"]
+  assert row["micro_batch"] == row["true_micro_batch"] > 0
+  assert row["micro_batch"] * row["every_k"] == row["global_batch"]
+  assert row["compiles"] <= row["bound"] < row["all_compiles"]
+  for suffix in ("md", "png"):
+    assert (tmp_path / f"bench_plan.{suffix}").stat().st_size > 0
+
+
 @pytest.mark.parametrize(
-  "script", [*SCRIPTS, "bench_compiled", "render_readme"]
+  "script", [*SCRIPTS, "bench_compiled", "bench_plan", "render_readme"]
 )
 def test_help(script):
   result = _run(script, "--help")

@@ -1,0 +1,187 @@
+"""The planner against the truth: ``optax_accum.plan_micro_batch``'s choice
+vs the largest fitting micro-batch found by compiling every candidate.
+
+Three models (``_plan_models``: an MLP, a decoder-only transformer, a
+convolutional net) x two targets: this machine's CPU with a memory limit
+(``--cpu-limit-gib``; JAX reports none for a CPU) and one H100 compiled
+without the device (60 GiB of its 80, JAX's default share). For each: the
+planner's micro-batch and compile count (against its bound,
+``ceil(log2(G)) + 2``) and seconds (``--repeats`` cold runs: jit caches
+cleared), then every divisor of the global batch compiled once to find the
+true largest that fits. Compiles are timed; nothing else is::
+
+  JAX_PLATFORMS=cpu PYTHONPATH=.venv/accel python benchmarks/bench_plan.py
+"""
+
+import math
+import sys
+import time
+from typing import Any
+
+import _common
+import _plan_models
+import jax
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+import optax_accum  # noqa: E402
+from optax_accum import _plan  # noqa: E402
+
+GIB = 2**30
+
+# Global batches that fit neither target in one step.
+MODELS = {
+  "mlp": lambda: _plan_models.mlp(global_batch=2**22),
+  "transformer": lambda: _plan_models.transformer(global_batch=2**16),
+  "convnet": lambda: _plan_models.convnet(global_batch=2**17),
+}
+
+
+def _plan_once(model, target, limit) -> tuple[Any, float]:
+  jax.clear_caches()
+  start = time.perf_counter()
+  plan = optax_accum.plan_micro_batch(
+    model.step,
+    model.args_for,
+    model.global_batch,
+    target=target,
+    memory_limit=limit,
+  )
+  return plan, time.perf_counter() - start
+
+
+def _truth(model, target, budget: int) -> tuple[int, int, float]:
+  """(largest fitting micro-batch, compiles, seconds), compiling every
+  divisor of the global batch."""
+  where = _plan._where(target, 1)
+  sizes = _plan._divisors(model.global_batch, 1)
+  start, best = time.perf_counter(), 0
+  for n in sizes:
+    args = _plan._placed(model.args_for(n), where.mesh)
+    memory = model.step.lower(*args).compile().memory_analysis()
+    if _plan._peak(memory) <= budget:
+      best = n
+  return best, len(sizes), time.perf_counter() - start
+
+
+def measure(name: str, target: str | None, limit: int | None, repeats: int):
+  model = MODELS[name]()
+  runs = [_plan_once(model, target, limit) for _ in range(repeats)]
+  plan = runs[0][0]
+  truth, all_compiles, all_seconds = _truth(model, target, plan.budget_bytes)
+  row = {
+    "model": name,
+    "target": target or "cpu",
+    "global_batch": model.global_batch,
+    "limit_bytes": plan.limit_bytes,
+    "micro_batch": plan.micro_batch,
+    "every_k": plan.every_k,
+    "true_micro_batch": truth,
+    "compiles": plan.compiles,
+    "bound": math.ceil(math.log2(model.global_batch)) + 2,
+    "seconds": _common.spread([s for _, s in runs]),
+    "all_compiles": all_compiles,
+    "all_seconds": all_seconds,
+  }
+  print(
+    f"{name:12s} {row['target']:5s} plan {plan.micro_batch} (true {truth})"
+    f" in {plan.compiles} compiles, {row['seconds']['median']:.1f} s;"
+    f" all {all_compiles} in {all_seconds:.1f} s",
+    flush=True,
+  )
+  return row
+
+
+def render(payload: dict) -> str:
+  rows = [
+    [
+      r["model"],
+      r["target"],
+      r["global_batch"],
+      f"{r['limit_bytes'] / GIB:.0f} GiB",
+      f"{r['micro_batch']} x {r['every_k']}",
+      r["true_micro_batch"],
+      f"{r['compiles']} (bound {r['bound']})",
+      _common.fmt_spread(r["seconds"], 1),
+      f"{r['all_compiles']} / {r['all_seconds']:.0f} s",
+    ]
+    for r in payload["rows"]
+  ]
+  return _common.markdown_page(
+    "Planning the micro-batch: the planner vs every candidate compiled",
+    payload["machine"],
+    _common.markdown_table(
+      [
+        "model",
+        "target",
+        "global batch",
+        "limit",
+        "plan: micro-batch x every_k",
+        "true largest",
+        "planner compiles",
+        "planner s",
+        "all candidates: compiles / s",
+      ],
+      rows,
+    ),
+  )
+
+
+def _figure(payload: dict):
+  fig, ax = plt.subplots(figsize=(7, 3))
+  labels = [f"{r['model']}\n{r['target']}" for r in payload["rows"]]
+  x = range(len(labels))
+  ax.bar(
+    [i - 0.2 for i in x],
+    [r["compiles"] for r in payload["rows"]],
+    0.4,
+    label="planner",
+  )
+  ax.bar(
+    [i + 0.2 for i in x],
+    [r["all_compiles"] for r in payload["rows"]],
+    0.4,
+    label="every candidate",
+  )
+  ax.set_xticks(list(x), labels)
+  ax.set_ylabel("compiles")
+  ax.legend()
+  _common.figure_title(fig, payload)
+  return fig
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+  parser = _common.benchmark_parser(__doc__.split("\n\n")[0])
+  parser.add_argument(
+    "--models", default=",".join(MODELS), type=_common.csv_list()
+  )
+  parser.add_argument("--targets", default="cpu,h100", type=_common.csv_list())
+  parser.add_argument("--cpu-limit-gib", type=float, default=4.0)
+  parser.add_argument("--repeats", type=_common.positive_int, default=3)
+  parser.add_argument("--out", default=str(_common.RESULTS_DIR))
+  args = parser.parse_args(argv)
+  if set(args.targets) - {"cpu"} and jax.config.jax_platforms != "cpu":
+    sys.exit("bench_plan compiles for an H100: run it with JAX_PLATFORMS=cpu")
+  rows = []
+  for target in args.targets:
+    limit = int(args.cpu_limit_gib * GIB) if target == "cpu" else None
+    for name in args.models:
+      rows.append(
+        measure(name, None if target == "cpu" else target, limit, args.repeats)
+      )
+  payload = {
+    "benchmark": "bench_plan",
+    "machine": _common.machine_info(),
+    "args": vars(args),
+    "rows": rows,
+  }
+  _common.write_outputs(
+    args.out, "bench_plan", payload, render(payload), _figure(payload)
+  )
+  return payload
+
+
+if __name__ == "__main__":
+  main()
