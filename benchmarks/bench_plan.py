@@ -22,6 +22,7 @@ import _common
 import _plan_models
 import jax
 import matplotlib
+import render_readme
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -96,37 +97,11 @@ def measure(name: str, target: str | None, limit: int | None, repeats: int):
 
 
 def render(payload: dict) -> str:
-  rows = [
-    [
-      r["model"],
-      r["target"],
-      r["global_batch"],
-      f"{r['limit_bytes'] / GIB:.0f} GiB",
-      f"{r['micro_batch']} x {r['every_k']}",
-      r["true_micro_batch"],
-      f"{r['compiles']} (bound {r['bound']})",
-      _common.fmt_spread(r["seconds"], 1),
-      f"{r['all_compiles']} / {r['all_seconds']:.0f} s",
-    ]
-    for r in payload["rows"]
-  ]
+  """The page: the table benchmarks/README.md shows (render_readme)."""
   return _common.markdown_page(
     "Planning the micro-batch: the planner vs every candidate compiled",
     payload["machine"],
-    _common.markdown_table(
-      [
-        "model",
-        "target",
-        "global batch",
-        "limit",
-        "plan: micro-batch x every_k",
-        "true largest",
-        "planner compiles",
-        "planner s",
-        "all candidates: compiles / s",
-      ],
-      rows,
-    ),
+    render_readme.bench_plan(payload),
   )
 
 

@@ -195,10 +195,9 @@ def plan_micro_batch(
   steps = _steps(step, variants)
   _check_arguments(global_batch, headroom, memory_limit)
   where = _where(target, memory_limit)
-  sizes = _divisors(
-    global_batch, _batch_multiple(args_for, global_batch, where)
-  )
-  _check_args_for(args_for, sizes)
+  whole = _call_args_for(args_for, global_batch)
+  sizes = _divisors(global_batch, _batch_multiple(whole, where))
+  _check_args_for(args_for, sizes, whole)
   budget = int((1 - headroom) * where.limit_bytes)
   found = {}
   for name, fn in steps.items():
@@ -331,9 +330,10 @@ def _call_args_for(args_for: Callable[[int], Any], n: int) -> tuple:
   return tuple(args)
 
 
-def _batch_multiple(args_for, global_batch: int, where: _Where) -> int:
-  """How many shards the batch's first axis is split into (1 unsharded)."""
-  args = _placed(_call_args_for(args_for, global_batch), where.mesh)
+def _batch_multiple(whole: tuple, where: _Where) -> int:
+  """How many shards the batch's first axis is split into (1 unsharded),
+  from the arguments of the whole global batch."""
+  args = _placed(whole, where.mesh)
   shards = 1
   for x in jax.tree.leaves(args[2:3]):
     sharding = getattr(x, "sharding", None)
@@ -358,8 +358,9 @@ def _divisors(global_batch: int, multiple: int) -> list[int]:
   return sizes
 
 
-def _check_args_for(args_for, sizes: list[int]) -> None:
-  """The arguments hold an AccumulateState and grow with n."""
+def _check_args_for(args_for, sizes: list[int], whole: tuple) -> None:
+  """The arguments hold an AccumulateState and grow with n (`whole`: those
+  of the largest size, the global batch)."""
   small = _call_args_for(args_for, sizes[0])
   leaves = jax.tree.leaves(small, is_leaf=_state.is_accumulate_state)
   if not any(_state.is_accumulate_state(x) for x in leaves):
@@ -369,9 +370,8 @@ def _check_args_for(args_for, sizes: list[int]) -> None:
       " optax_accum.accumulate (the state from accumulate(tx, ...).init)."
     )
   if len(sizes) > 1:
-    large = _call_args_for(args_for, sizes[-1])
     shapes = [
-      jax.tree.map(lambda x: getattr(x, "shape", x), a) for a in (small, large)
+      jax.tree.map(lambda x: getattr(x, "shape", x), a) for a in (small, whole)
     ]
     if shapes[0] == shapes[1]:
       raise ValueError(
@@ -385,12 +385,10 @@ class _Compiler:
   """Compiles one step for micro-batch sizes; remembers every candidate."""
 
   def __init__(self, name, step, args_for, where: _Where, budget: int):
-    self.name, self.args_for, self.where, self.budget = (
-      name,
-      args_for,
-      where,
-      budget,
-    )
+    self.name = name
+    self.args_for = args_for
+    self.where = where
+    self.budget = budget
     self.step = step if hasattr(step, "lower") else jax.jit(step)
     self.trials: dict[int, Candidate] = {}
     self.costs: dict[int, tuple[float, float] | None] = {}

@@ -64,3 +64,17 @@ def accel_env() -> dict[str, str]:
     ALLOW_MULTIPLE_LIBTPU_LOAD="1",
   )
   return env
+
+
+def compiled_peak(step, args) -> int:
+  """A compiled step's peak bytes per device, computed apart from
+  ``optax_accum.plan_micro_batch`` (which must agree): the larger of the
+  compiler's peak and arguments + outputs + temporaries - aliased."""
+  memory = step.lower(*args).compile().memory_analysis()
+  total = (
+    memory.argument_size_in_bytes
+    + memory.output_size_in_bytes
+    + memory.temp_size_in_bytes
+    - memory.alias_size_in_bytes
+  )
+  return max(memory.peak_memory_in_bytes, total)

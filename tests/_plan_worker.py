@@ -18,6 +18,10 @@ import json
 import pathlib
 import sys
 
+# tests/_common (this script's folder) before benchmarks/ goes on the path,
+# which has a _common of its own.
+import _common
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -35,15 +39,9 @@ BIG = _plan_models.ModelConfig(
 def _peak_here(model, target: str, n: int) -> int:
   """The compiled peak of `model`'s step for `n` examples on `target`."""
   where = _plan._where(target, None)
-  args = _plan._placed(model.args_for(n), where.mesh)
-  memory = model.step.lower(*args).compile().memory_analysis()
-  total = (
-    memory.argument_size_in_bytes
-    + memory.output_size_in_bytes
-    + memory.temp_size_in_bytes
-    - memory.alias_size_in_bytes
+  return _common.compiled_peak(
+    model.step, _plan._placed(model.args_for(n), where.mesh)
   )
-  return max(memory.peak_memory_in_bytes, total)
 
 
 def _facts(model, target: str, *, check_next: bool = False) -> dict:

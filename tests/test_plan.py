@@ -31,18 +31,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import _plan_models  # noqa: E402
 
-
-def compiled_peak(step, args) -> int:
-  """The peak the planner must use, computed here on its own: the larger of
-  the compiler's peak and arguments + outputs + temporaries - aliased."""
-  memory = step.lower(*args).compile().memory_analysis()
-  total = (
-    memory.argument_size_in_bytes
-    + memory.output_size_in_bytes
-    + memory.temp_size_in_bytes
-    - memory.alias_size_in_bytes
-  )
-  return max(memory.peak_memory_in_bytes, total)
+compiled_peak = _common.compiled_peak
 
 
 def divisors(n: int) -> list[int]:
