@@ -86,6 +86,7 @@ adaptive: $(STAMP)
 bench: $(STAMP) $(ACCEL_STAMP)
 	$(PY) benchmarks/bench_step.py
 	$(PY) benchmarks/bench_train.py
+	$(PY) benchmarks/bench_flax_mesh.py
 	JAX_PLATFORMS=cpu PYTHONPATH=$(abspath $(ACCEL)) $(PY) benchmarks/bench_comm.py
 	JAX_PLATFORMS=cpu PYTHONPATH=$(abspath $(ACCEL)) $(PY) benchmarks/bench_compiled.py
 	$(PY) benchmarks/render_readme.py
