@@ -196,10 +196,10 @@ def run_if_weighted(
   in place, and copy insertion copies every inner-state leaf twice on every
   micro-step (in the holding branch of the conditional around this one,
   and after it). Seen for the unreduced and ``shard_map`` engines with
-  jax/jaxlib 0.10.2 (e.g. 8 parameter-sized copies per micro-step with
-  Adam). `skip` is branch 0 and passes its operands through (see
-  :func:`cond`). Held by ``tests/test_flax_mesh.py`` (no parameter-sized
-  copy on a micro-step).
+  jax/jaxlib 0.10.2 (8 parameter-sized copies per micro-step with Adam, 2
+  layers). `skip` is branch 0 and passes its operands through (see
+  :func:`cond`). Used on CPU only (:func:`_backend.run_if_weighted`). Held
+  by ``tests/test_flax_mesh.py`` (no parameter-sized copy on a micro-step).
   """
   return cond(weighted, run, skip, *operands)
 

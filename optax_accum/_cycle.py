@@ -308,17 +308,12 @@ def emission(
       reduced sum here (with the noise scale tracked).
     static: the caller knew at trace time that the call emits (no
       conditional): the leaves are reduced one by one, so that each may
-      start as soon as its gradient is added. A cycle of no weight then
-      keeps `inner`'s result out with selects, which fuse into the inner's
-      own kernels.
+      start as soon as its gradient is added; selects keep a weightless
+      cycle's result out.
     weight_checked: the caller runs this only for a positive (or NaN) total
-      weight. Otherwise, inside a conditional, `inner` runs in a
-      conditional of its own (:func:`_control.run_if_weighted`).
+      weight; otherwise see :func:`_backend.run_if_weighted`.
     apply: also apply the updates to the params (when given), next to
       `inner` (not with `static`).
-
-  Returns:
-    An :class:`Emission`.
   """
   total, weight, noise = _reduce(
     step, cycle.acc, cycle.weight, cycle.noise, per_leaf=static
@@ -332,21 +327,19 @@ def emission(
     )
   apply = apply and cycle.params is not None
   operands = (total, inv_weight, cycle.inner_state, cycle.params)
-  run = functools.partial(_run_inner, step, apply)
   # A NaN weight runs `inner`, so that the NaN reaches it.
   emitted = jnp.asarray(True) if weight_checked else ~(weight <= 0)
-  if weight_checked or static:
+  run = functools.partial(_run_inner, step, apply)
+  select = functools.partial(_run_then_select, step, apply)
+  if weight_checked:
     updates, inner_state, params = run(emitted, *operands)
+  elif static:
+    updates, inner_state, params = select(emitted, *operands)
   else:
     skip = functools.partial(_skip_inner, step)
-    updates, inner_state, params = _control.run_if_weighted(
-      emitted, run, skip, emitted, *operands
+    updates, inner_state, params = _backend.run_if_weighted(
+      emitted, run, skip, select, *operands
     )
-  if static:  # `apply` is never asked for here
-    updates = jax.tree.map(
-      lambda u: jnp.where(emitted, u, jnp.zeros([], u.dtype)), updates
-    )
-    inner_state = _tree.select(emitted, inner_state, cycle.inner_state)
   params = params if apply else None
   return Emission(updates, inner_state, emitted, weight, noise, total, params)
 
@@ -362,9 +355,23 @@ def _run_inner(step, apply, emitted, total, inv_weight, state, params):
   return updates, state, params
 
 
+def _run_then_select(step, apply, emitted, total, inv_weight, state, params):
+  """`inner` run anyway, its result kept for a positive weight by selects
+  that fuse into the inner's own kernels."""
+  run = _run_inner(step, False, emitted, total, inv_weight, state, params)
+  updates, new_state, _ = run
+  updates = jax.tree.map(
+    lambda u: jnp.where(emitted, u, jnp.zeros([], u.dtype)), updates
+  )
+  new_state = _tree.select(emitted, new_state, state)
+  if apply:
+    params = _tree.select(emitted, optax.apply_updates(params, updates), params)
+  return updates, new_state, params
+
+
 def _skip_inner(step, emitted, total, inv_weight, state, params):
-  """A cycle of no weight: zero updates (traced, one per leaf: `emitted` is
-  false here), the params and `inner`'s state as they were."""
+  """No weight: zero updates (traced, one per leaf: `emitted` is false
+  here); the params and `inner`'s state as they were."""
   del total, inv_weight
   leaves, treedef = jax.tree.flatten(step.plan.update_types)
   zeros = _control.distinct_zeros(leaves, emitted, _tree.zeros_like_type)
