@@ -88,6 +88,7 @@ adaptive: $(STAMP)
 bench: $(STAMP) $(ACCEL_STAMP)
 	$(PY) benchmarks/bench_step.py
 	$(PY) benchmarks/bench_train.py
+	$(PY) benchmarks/bench_flax_mesh.py
 	JAX_PLATFORMS=cpu PYTHONPATH=$(abspath $(ACCEL)) $(PY) benchmarks/bench_comm.py
 	JAX_PLATFORMS=cpu PYTHONPATH=$(abspath $(ACCEL)) $(PY) benchmarks/bench_compiled.py
 	JAX_PLATFORMS=cpu PYTHONPATH=$(abspath $(ACCEL)) $(PY) benchmarks/bench_plan.py

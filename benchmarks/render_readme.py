@@ -335,6 +335,46 @@ def wire_dtype(payload: dict[str, Any]) -> str:
   )
 
 
+def bench_flax_mesh(payload: dict[str, Any]) -> str:
+  """The three NNX steps on the data-parallel mesh, and the target."""
+  a, config = payload["args"], payload["config"]
+  rows = [
+    [
+      name,
+      _spread(r["micro_ms"]),
+      _spread(r["speedup"], suffix="x"),
+      f"{r['temp_bytes'] / MB:.2f}",
+      str(r["copies"]),
+      f"{r['all_reduced_every_call'] / MB:.2f}",
+    ]
+    for name, r in payload["results"].items()
+  ]
+  checks = "".join(
+    f"- {c['what']}: {c['value']:.2f} (target {c['target']}):"
+    f" {'PASS' if c['pass'] else 'FAIL'}\n"
+    for c in payload["checks"].values()
+  )
+  return (
+    _machine(payload)
+    + f"\n{a['devices']} CPU devices, {a['layers']} tanh layers of width"
+    f" {a['width']} ({config['param_bytes'] / MB:.1f} MiB of float32"
+    f" params), micro-batch {a['micro_batch']}, k={a['k']}, adam:\n\n"
+    + _table(
+      [
+        "step",
+        "micro-step ms",
+        "MultiSteps micro / this",
+        "temp MiB",
+        "param-sized copies",
+        "MiB all-reduced every call",
+      ],
+      rows,
+    )
+    + "\n"
+    + checks
+  )
+
+
 def _pick(rows, **match):
   return next(
     (r for r in rows if all(r["case"][k] == v for k, v in match.items())),
@@ -499,6 +539,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
   "bench_comm-sharded": bench_comm_sharded,
   "bench_compiled": bench_compiled,
   "bench_plan": bench_plan,
+  "bench_flax_mesh": bench_flax_mesh,
   "wire_dtype": wire_dtype,
   "performance": performance,
 }

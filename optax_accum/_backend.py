@@ -22,6 +22,12 @@ buffer passed through a conditional differently:
   their own and the accumulator returns to zeros with a select, fused into
   one elementwise pass.
 
+And where a conditional branch ends weightless cycles too (the unreduced and
+``shard_map`` engines, and updates that cannot share the accumulator's
+buffer), how the inner optimizer's result is kept out of a cycle of no
+weight (:func:`run_if_weighted`): selects on GPU/TPU, a conditional of its
+own on CPU.
+
 A state saved by optax_accum 0.1 on CPU right after an emitting call holds
 that call's updates in ``acc_grads`` and its weight in ``acc_weight`` (0.1
 left them there on CPU). :func:`cycle_start` recognises it (a fresh cycle
@@ -112,6 +118,34 @@ def _close_with_select(engine, update_types, cycle_end, emitted, params, out):
       out,
     )
   return params, engine.cleared(out, out, cycle_end)
+
+
+def run_if_weighted(
+  emitted: jax.Array,
+  run: Callable,
+  skip: Callable,
+  run_then_select: Callable,
+  *operands: Any,
+) -> Any:
+  """The inner optimizer, in a conditional branch that ends every cycle
+  (weightless ones too): its result where `emitted` (the total weight is
+  positive, or NaN), else `skip`'s (zero updates, the state as it was).
+  Each callable takes ``(emitted, *operands)``.
+
+  * GPU/TPU: `run_then_select`: the optimizer runs, and selects that fuse
+    into its kernels keep its result out (a conditional of its own there
+    costs the 8-H100 ``shard_map`` step a quarter of the accumulator more
+    memory, ``tests/test_accelerators.py``);
+  * CPU (:func:`_control.run_if_weighted`): a conditional of its own, where
+    `skip` passes the state through. XLA:CPU does not update the state in
+    place under the selects, and copies every inner-state leaf twice per
+    micro-step.
+  """
+  return _per_backend(
+    *operands,
+    cpu=lambda *o: _control.run_if_weighted(emitted, run, skip, emitted, *o),
+    accelerator=functools.partial(run_then_select, emitted),
+  )
 
 
 def weight_after(total_weight: jax.Array, cycle_end: jax.Array) -> jax.Array:

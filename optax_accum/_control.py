@@ -183,6 +183,27 @@ def psum_with_scalars(
   return reduced + last, scalars
 
 
+def run_if_weighted(
+  weighted: jax.Array, run: Callable, skip: Callable, *operands: Any
+) -> Any:
+  """`run(*operands)` where the cycle's total weight is positive (or NaN),
+  else `skip(*operands)`: the inner optimizer in a conditional of its own,
+  inside a branch that ends every cycle, weightless ones included.
+
+  XLA:CPU, with selects instead (``where(weighted, new, old)`` over the
+  inner state and the params once the inner optimizer ran): the select
+  reads the old value after the new one is computed, so neither is updated
+  in place, and copy insertion copies every inner-state leaf twice on every
+  micro-step (in the holding branch of the conditional around this one,
+  and after it). Seen for the unreduced and ``shard_map`` engines with
+  jax/jaxlib 0.10.2 (8 parameter-sized copies per micro-step with Adam, 2
+  layers). `skip` is branch 0 and passes its operands through (see
+  :func:`cond`). Used on CPU only (:func:`_backend.run_if_weighted`). Held
+  by ``tests/test_flax_mesh.py`` (no parameter-sized copy on a micro-step).
+  """
+  return cond(weighted, run, skip, *operands)
+
+
 def in_own_conditional(
   enter: jax.Array, fun: Callable, default: Any, *operands: Any
 ) -> Any:

@@ -85,6 +85,7 @@ class Emission(NamedTuple):
   weight: jax.Array  # float32[]: its global total weight
   noise: Any  # the noise-scale state with the cycle folded in
   total: Any  # its reduced sum
+  params: Any  # with the updates applied (asked for and given), else None
 
 
 class End(NamedTuple):
@@ -292,7 +293,13 @@ def _mean_gradient(step: Step, acc: Any, inv_weight: jax.Array) -> Any:
 
 
 def emission(
-  step: Step, cycle: Cycle, mean_sq: Any, *, static: bool, weight_checked: bool
+  step: Step,
+  cycle: Cycle,
+  mean_sq: Any,
+  *,
+  static: bool,
+  weight_checked: bool,
+  apply: bool = False,
 ) -> Emission:
   """The cycle's (reduced) mean gradient through the inner optimizer.
 
@@ -301,34 +308,75 @@ def emission(
       reduced sum here (with the noise scale tracked).
     static: the caller knew at trace time that the call emits (no
       conditional): the leaves are reduced one by one, so that each may
-      start as soon as its gradient is added.
+      start as soon as its gradient is added; selects keep a weightless
+      cycle's result out.
     weight_checked: the caller runs this only for a positive (or NaN) total
-      weight. Otherwise the inner runs anyway and its result is kept only
-      for a positive total weight: selects that fuse into the inner's own
-      kernels, where a conditional would materialise the mean gradient.
+      weight; otherwise see :func:`_backend.run_if_weighted`.
+    apply: also apply the updates to the params (when given), next to
+      `inner` (not with `static`).
   """
   total, weight, noise = _reduce(
     step, cycle.acc, cycle.weight, cycle.noise, per_leaf=static
   )
   inv_weight = _inverse_weight(weight)
-  grad = _mean_gradient(step, total, inv_weight)
   if isinstance(noise, NoiseScaleState):
     if mean_sq is None:  # The global mean, known only after the reduction.
       mean_sq = _noise_scale.sq_norm(total, inv_weight, step.config.axis_name)
     noise = _noise_scale.fold_cycle(
       noise, mean_sq, weight, step.config.noise_scale_decay
     )
-  updates, inner_state = step.inner.update(
-    grad, cycle.inner_state, cycle.params, **step.extra_args
-  )
-  emitted = jnp.asarray(True)
-  if not weight_checked:
-    emitted = ~(weight <= 0)  # NaN: let it reach `inner`
-    updates = jax.tree.map(
-      lambda u: jnp.where(emitted, u, jnp.zeros([], u.dtype)), updates
+  apply = apply and cycle.params is not None
+  operands = (total, inv_weight, cycle.inner_state, cycle.params)
+  # A NaN weight runs `inner`, so that the NaN reaches it.
+  emitted = jnp.asarray(True) if weight_checked else ~(weight <= 0)
+  run = functools.partial(_run_inner, step, apply)
+  select = functools.partial(_run_then_select, step, apply)
+  if weight_checked:
+    updates, inner_state, params = run(emitted, *operands)
+  elif static:
+    updates, inner_state, params = select(emitted, *operands)
+  else:
+    skip = functools.partial(_skip_inner, step)
+    updates, inner_state, params = _backend.run_if_weighted(
+      emitted, run, skip, select, *operands
     )
-    inner_state = _tree.select(emitted, inner_state, cycle.inner_state)
-  return Emission(updates, inner_state, emitted, weight, noise, total)
+  params = params if apply else None
+  return Emission(updates, inner_state, emitted, weight, noise, total, params)
+
+
+def _run_inner(step, apply, emitted, total, inv_weight, state, params):
+  """`inner` on the cycle's mean gradient, computed here so that it fuses
+  into the inner's kernels; with `apply`, the params updated too."""
+  del emitted
+  grad = _mean_gradient(step, total, inv_weight)
+  updates, state = step.inner.update(grad, state, params, **step.extra_args)
+  if apply:
+    params = optax.apply_updates(params, updates)
+  return updates, state, params
+
+
+def _run_then_select(step, apply, emitted, total, inv_weight, state, params):
+  """`inner` run anyway, its result kept for a positive weight by selects
+  that fuse into the inner's own kernels."""
+  run = _run_inner(step, False, emitted, total, inv_weight, state, params)
+  updates, new_state, _ = run
+  updates = jax.tree.map(
+    lambda u: jnp.where(emitted, u, jnp.zeros([], u.dtype)), updates
+  )
+  new_state = _tree.select(emitted, new_state, state)
+  if apply:
+    params = _tree.select(emitted, optax.apply_updates(params, updates), params)
+  return updates, new_state, params
+
+
+def _skip_inner(step, emitted, total, inv_weight, state, params):
+  """No weight: zero updates (traced, one per leaf: `emitted` is false
+  here); the params and `inner`'s state as they were."""
+  del total, inv_weight
+  leaves, treedef = jax.tree.flatten(step.plan.update_types)
+  zeros = _control.distinct_zeros(leaves, emitted, _tree.zeros_like_type)
+  state = _settle(state, step.plan.inner_state_types)
+  return jax.tree.unflatten(treedef, zeros), state, params
 
 
 def _settle(inner_state: Any, types: Any) -> Any:
@@ -424,17 +472,14 @@ class OwnBuffer:
 
   @staticmethod
   def emit(step: Step, cycle: Cycle, mean_sq: Any) -> tuple[Any, Decision]:
-    done = emission(step, cycle, mean_sq, static=False, weight_checked=False)
-    params = cycle.params
-    if params is not None:
-      params = _tree.select(
-        done.emitted, optax.apply_updates(params, done.updates), params
-      )
+    done = emission(
+      step, cycle, mean_sq, static=False, weight_checked=False, apply=True
+    )
     acc = step.engine.cleared(cycle.acc, done.total, cycle.end)
     decision = Decision(
       done.weight, done.noise, done.inner_state, done.emitted, done.weight
     )
-    return (done.updates, acc, params), decision
+    return (done.updates, acc, done.params), decision
 
   @staticmethod
   def hold(step: Step, cycle: Cycle, mean_sq: Any) -> tuple[Any, Decision]:

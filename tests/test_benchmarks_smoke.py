@@ -69,6 +69,7 @@ SCRIPTS = {
     "--sharded-width",
     "64",
   ],
+  "bench_flax_mesh": ["--width", "64", "--layers", "1", "--k", "2"],
 }
 # Every script: the fewest rounds, two repeats (so spreads have a range).
 RUN = ["--rounds", "1", "--warmup", "0", "--repeats", "2"]
@@ -200,6 +201,22 @@ def test_bench_comm_counts_deferred_traffic(run_once):
   assert unreduced["holding_bytes"] == 0 and unreduced["always_bytes"] <= 8
   assert unreduced["emitting_bytes"] >= grad_bytes
   assert grad_bytes <= unreduced["bytes_per_step"] < grad_bytes + 64
+
+
+def test_bench_flax_mesh_defers_the_reduction_of_the_recipe(run_once):
+  """Read from the compiled steps: only the guide's recipe all-reduces
+  nothing parameter-sized on every call; it copies nothing parameter-sized
+  and needs no more temporary memory than MultiSteps."""
+  out = run_once("bench_flax_mesh")
+  results = json.loads((out / "bench_flax_mesh.json").read_text())["results"]
+  param_bytes = results["MultiSteps"]["param_bytes"]
+  for name in ("MultiSteps", "drop-in"):
+    assert results[name]["all_reduced_every_call"] >= param_bytes
+  recipe = results["drop-in+deferred"]
+  assert recipe["all_reduced_every_call"] < 64  # the loss and its weight
+  assert recipe["copies"] == 0
+  assert recipe["temp_bytes"] <= results["MultiSteps"]["temp_bytes"]
+  assert len(recipe["speedup"]["values"]) == 2
 
 
 def test_bench_comm_files_sharded_reductions_by_mesh_axis(run_once):

@@ -90,6 +90,12 @@ def _compile(
   """The compiled HLO text of `step` and, unless it is text, the compiled
   program (lowering and compiling as needed)."""
   lowered_types = (str, jax.stages.Lowered, jax.stages.Compiled)
+  # flax.nnx's stages (``nnx.jit(f).lower(...)``, ``.compile()``) wrap
+  # JAX's in a field of that name.
+  for field in ("compiled", "lowered"):
+    inner = getattr(step, field, None)
+    if isinstance(inner, lowered_types[1:]):
+      step = inner
   if isinstance(step, lowered_types) and (args or kwargs):
     raise TypeError(
       f"`step` is already lowered ({type(step).__name__}): pass no"
@@ -116,10 +122,10 @@ def collectives(step: Any, *args: Any, **kwargs: Any) -> list[Collective]:
   """The collective ops of a compiled step, with their bytes and placement.
 
   Args:
-    step: a jitted function (``jax.jit(f)``; a plain function is jitted),
-      called as ``step(*args, **kwargs)``; or a `jax.stages.Lowered` or
-      `jax.stages.Compiled` (then give no arguments); or the text of a
-      compiled HLO module.
+    step: a jitted function (``jax.jit(f)``, ``nnx.jit(f)``; a plain
+      function is jitted), called as ``step(*args, **kwargs)``; or a
+      `jax.stages.Lowered` or `jax.stages.Compiled` (or ``nnx.jit``'s, then
+      give no arguments); or the text of a compiled HLO module.
     *args: arguments to lower a function with (arrays or
       ``jax.ShapeDtypeStruct``s carrying their shardings).
     **kwargs: keyword arguments to lower a function with.
