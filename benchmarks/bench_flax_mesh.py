@@ -1,8 +1,9 @@
 """The Flax NNX drop-in on a data-parallel mesh, against optax.MultiSteps.
 
-On ``--devices`` simulated CPU devices (one ``data`` mesh axis, explicit;
-params replicated, each micro-batch split over it), three ``nnx.jit``
-steps of a tanh MLP, model and optimizer donated:
+On meshes of each of ``--devices`` simulated CPU devices (one ``data``
+mesh axis; params replicated, each micro-batch split over it; 1 and 2 by
+default, in one process), three ``nnx.jit`` steps of a tanh MLP, model and
+optimizer donated, and the step written by hand:
 
 * ``MultiSteps``: ``nnx.Optimizer(model, optax.MultiSteps(adam, k))`` with
   ``nnx.value_and_grad``: the trainer before the switch;
@@ -11,7 +12,12 @@ steps of a tanh MLP, model and optimizer donated:
   all-reduced on every micro-batch);
 * ``drop-in+deferred``: ``accumulate(adam, k, axis_name="data")`` with
   ``optax_accum.flax.local_value_and_grad``: the NNX guide's data-parallel
-  recipe (one all-reduce per cycle, in the call that ends it).
+  recipe (one all-reduce per cycle, in the call that ends it);
+* ``hand-written``: the README's step on the model's params as a pytree
+  (``nnx.split``): ``jax.jit`` donating params and state,
+  ``optax_accum.apply_updates``, and on several devices
+  ``optax_accum.distributed.local_value_and_grad`` with
+  ``accumulate(..., axis_name="data")``: the floor the drop-ins aim at.
 
 Each turn runs one cycle of k calls and times every call; the micro-step
 time is the median of the calls that do not end the cycle. Reported:
@@ -19,7 +25,7 @@ time is the median of the calls that do not end the cycle. Reported:
 min-max), and, read from each compiled step, its temporary memory, its
 parameter-sized copies and the bytes it all-reduces on every call::
 
-  python benchmarks/bench_flax_mesh.py [--devices 2] [--width 1024]
+  python benchmarks/bench_flax_mesh.py [--devices 1 2] [--width 1024]
 """
 
 import functools
@@ -39,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 import optax_accum
 from optax_accum.inspect import _program
 
-VARIANTS = ("MultiSteps", "drop-in", "drop-in+deferred")
+VARIANTS = ("MultiSteps", "drop-in", "drop-in+deferred", "hand-written")
 TARGETS = {
   "deferred_speedup": _common.Target(
     "MultiSteps micro / deferred",
@@ -52,7 +58,13 @@ TARGETS = {
 
 def parse_args(argv: list[str] | None = None) -> Any:
   parser = _common.benchmark_parser(__doc__.splitlines()[0])
-  parser.add_argument("--devices", type=_common.positive_int, default=2)
+  parser.add_argument(
+    "--devices",
+    type=_common.positive_int,
+    nargs="+",
+    default=[1, 2],
+    help="mesh sizes, each timed in this one process",
+  )
   parser.add_argument(
     "--width", type=_common.positive_int, default=1024, help="layer width"
   )
@@ -73,10 +85,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
   return parser.parse_args(argv)
 
 
-def prepare(name: str, args: Any, mesh: Any, batch: tuple) -> dict[str, Any]:
-  """The variant's model, optimizer and donated step, and its compiled
-  facts."""
-
+def _model(args: Any) -> nnx.Module:
   class MLP(nnx.Module):
     def __init__(self, rngs):
       self.layers = nnx.List(
@@ -92,18 +101,22 @@ def prepare(name: str, args: Any, mesh: Any, batch: tuple) -> dict[str, Any]:
         x = jnp.tanh(layer(x))
       return self.out(x)
 
-  def loss_fn(model, x, y):
-    return jnp.mean((model(x) - y) ** 2)
+  return MLP(nnx.Rngs(0))
 
-  with jax.set_mesh(mesh):
-    model = MLP(nnx.Rngs(0))
-    if name == "MultiSteps":
-      tx = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=args.k)
-      optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    else:
-      axis = "data" if name == "drop-in+deferred" else None
-      tx = optax_accum.accumulate(optax.adam(1e-3), args.k, axis_name=axis)
-      optimizer = optax_accum.flax.Optimizer(model, tx, wrt=nnx.Param)
+
+def loss_fn(model, x, y):
+  return jnp.mean((model(x) - y) ** 2)
+
+
+def _nnx_step(name: str, args: Any, model: nnx.Module):
+  """The NNX variants: the optimizer and the donated ``nnx.jit`` step."""
+  if name == "MultiSteps":
+    tx = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=args.k)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  else:
+    axis = "data" if name == "drop-in+deferred" else None
+    tx = optax_accum.accumulate(optax.adam(1e-3), args.k, axis_name=axis)
+    optimizer = optax_accum.flax.Optimizer(model, tx, wrt=nnx.Param)
   if name == "drop-in+deferred":
     grad_fn = optax_accum.flax.local_value_and_grad(loss_fn, axis_name="data")
   else:
@@ -115,8 +128,56 @@ def prepare(name: str, args: Any, mesh: Any, batch: tuple) -> dict[str, Any]:
     optimizer.update(model, grads)
     return loss
 
+  return step, (model, optimizer)
+
+
+def _hand_written_step(args: Any, model: nnx.Module, devices: int):
+  """The README's step over the params pytree (donated), deferring the
+  reduction on several devices."""
+  graphdef, params = nnx.split(model, nnx.Param)
+
+  def pure_loss(params, x, y):
+    return loss_fn(nnx.merge(graphdef, params), x, y)
+
+  axis = "data" if devices > 1 else None
+  tx = optax_accum.accumulate(optax.adam(1e-3), args.k, axis_name=axis)
+  if axis:
+    grad_fn = optax_accum.distributed.local_value_and_grad(
+      pure_loss, axis_name=axis
+    )
+  else:
+    grad_fn = jax.value_and_grad(pure_loss)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, state, x, y):
+    loss, grads = grad_fn(params, x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax_accum.apply_updates(params, updates, state), state, loss
+
+  return step, [params, tx.init(params)]
+
+
+def prepare(name: str, args: Any, mesh: Any, batch: tuple) -> dict[str, Any]:
+  """The variant's call (one step, its carried state updated) and its
+  compiled facts."""
+  devices = mesh.devices.size
   with jax.set_mesh(mesh):
-    compiled = step.lower(model, optimizer, *batch).compile().compiled
+    model = _model(args)
+    if name == "hand-written":
+      step, carried = _hand_written_step(args, model, devices)
+    else:
+      step, carried = _nnx_step(name, args, model)
+    compiled = step.lower(*carried, *batch).compile()
+  # nnx.jit's stage holds jax's Compiled; jax.jit's is it.
+  compiled = getattr(compiled, "compiled", compiled)
+
+  def call():
+    with jax.set_mesh(mesh):
+      out = step(*carried, *batch)
+    if name == "hand-written":  # the donated state, carried
+      carried[:] = out[:2]
+    return out
+
   params = jax.tree.leaves(nnx.state(model, nnx.Param))
   largest = max(p.nbytes for p in params)
   every_call = [
@@ -125,9 +186,7 @@ def prepare(name: str, args: Any, mesh: Any, batch: tuple) -> dict[str, Any]:
     if c.opcode == "all-reduce" and c.unconditional
   ]
   return {
-    "model": model,
-    "optimizer": optimizer,
-    "step": step,
+    "call": call,
     "facts": {
       "param_bytes": sum(p.nbytes for p in params),
       "temp_bytes": _common.compiled_memory(compiled)["temp"],
@@ -137,57 +196,57 @@ def prepare(name: str, args: Any, mesh: Any, batch: tuple) -> dict[str, Any]:
   }
 
 
-def one_cycle(variant: dict[str, Any], mesh: Any, batch: tuple, k: int):
+def one_cycle(variant: dict[str, Any], k: int):
   """Times the k calls of one cycle: (micro-step ms, emitting step ms)."""
   times = []
-  with jax.set_mesh(mesh):
-    for _ in range(k):
-      start = time.perf_counter()
-      # The loss is an output of the same program: ready with the rest.
-      jax.block_until_ready(
-        variant["step"](variant["model"], variant["optimizer"], *batch)
-      )
-      times.append(1e3 * (time.perf_counter() - start))
+  for _ in range(k):
+    start = time.perf_counter()
+    # The loss is an output of the same program: ready with the rest.
+    jax.block_until_ready(variant["call"]())
+    times.append(1e3 * (time.perf_counter() - start))
   micro = _common.median(times[:-1]) if k > 1 else None
   return micro, times[-1]
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-  args = parse_args(argv)
-  _common.set_cpu_devices(args.devices)
-  mesh = jax.make_mesh((args.devices,), ("data",))
+def _batch(mesh: Any, args: Any) -> tuple:
   rng = np.random.default_rng(0)
-  batch = tuple(
+  return tuple(
     jax.device_put(
       rng.normal(size=(args.micro_batch, d)).astype(np.float32),
       NamedSharding(mesh, P("data")),
     )
     for d in (args.width, 8)
   )
-  total = len(VARIANTS) + args.repeats * (args.warmup + args.rounds)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+  args = parse_args(argv)
+  _common.set_cpu_devices(max(args.devices))
+  cases = [(n, name) for n in args.devices for name in VARIANTS]
+  total = len(cases) + args.repeats * (args.warmup + args.rounds)
   with _common.Run("bench_flax_mesh", args, total) as run:
     run.stage("compiling")
     variants = {}
-    for name in VARIANTS:
-      variants[name] = prepare(name, args, mesh, batch)
-      one_cycle(variants[name], mesh, batch, args.k)  # the call's compile
+    for n, name in cases:
+      mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+      variants[n, name] = prepare(name, args, mesh, _batch(mesh, args))
+      one_cycle(variants[n, name], args.k)  # the call's compile
       run.advance()
     run.stage("timing")
     turns = {
-      name: functools.partial(
-        lambda v, _: one_cycle(v, mesh, batch, args.k), variants[name]
-      )
-      for name in VARIANTS
+      case: functools.partial(lambda v, _: one_cycle(v, args.k), variant)
+      for case, variant in variants.items()
     }
     repeats = run.rounds(turns)
-  results = _results(args, variants, repeats)
+  results = {str(n): _results(n, variants, repeats) for n in args.devices}
+  most = results[str(max(args.devices))]
   payload = run.payload(
-    config={"param_bytes": results["MultiSteps"]["param_bytes"]},
+    config={"param_bytes": most["MultiSteps"]["param_bytes"]},
     targets=_common.describe_targets(TARGETS),
     results=results,
     checks=_common.check_targets(
       TARGETS,
-      {"deferred_speedup": results["drop-in+deferred"]["speedup"]["median"]},
+      {"deferred_speedup": most["drop-in+deferred"]["speedup"]["median"]},
     ),
   )
   run.finish(payload, markdown, figure, lines=[_console(payload)])
@@ -196,16 +255,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   return payload
 
 
-def _results(args, variants, repeats) -> dict[str, Any]:
-  """Per variant: its compiled facts, its times and MultiSteps' over them,
-  each a spread over repeats."""
+def _results(devices, variants, repeats) -> dict[str, Any]:
+  """Per variant on `devices` devices: its compiled facts, its times and
+  MultiSteps' over them, each a spread over repeats."""
   out = {}
   for name in VARIANTS:
-    micro = [_common.median([t[0] for t in r[name]]) for r in repeats]
-    emit = [_common.median([t[1] for t in r[name]]) for r in repeats]
-    base = [_common.median([t[0] for t in r["MultiSteps"]]) for r in repeats]
+    times = [r[devices, name] for r in repeats]
+    micro = [_common.median([t[0] for t in ts]) for ts in times]
+    emit = [_common.median([t[1] for t in ts]) for ts in times]
+    base = [
+      _common.median([t[0] for t in r[devices, "MultiSteps"]]) for r in repeats
+    ]
     out[name] = {
-      **variants[name]["facts"],
+      **variants[devices, name]["facts"],
       "micro_ms": _common.spread(micro),
       "emit_ms": _common.spread(emit),
       "speedup": _common.spread(
@@ -216,6 +278,7 @@ def _results(args, variants, repeats) -> dict[str, Any]:
 
 
 HEADER = (
+  "devices",
   "variant",
   "micro-step ms",
   "emitting step ms",
@@ -230,6 +293,7 @@ def _rows(payload: dict[str, Any]) -> list[list[str]]:
   mb = _common.MB
   return [
     [
+      devices,
       name,
       _common.fmt_spread(r["micro_ms"]),
       _common.fmt_spread(r["emit_ms"]),
@@ -238,14 +302,16 @@ def _rows(payload: dict[str, Any]) -> list[list[str]]:
       str(r["copies"]),
       f"{r['all_reduced_every_call'] / mb:.2f}",
     ]
-    for name, r in payload["results"].items()
+    for devices, rows in payload["results"].items()
+    for name, r in rows.items()
   ]
 
 
 def _config(payload: dict[str, Any]) -> str:
   a = payload["args"]
   return (
-    f"{a['devices']} CPU devices, {a['layers']} tanh layers of width"
+    f"{'/'.join(map(str, a['devices']))} CPU devices, {a['layers']} tanh"
+    f" layers of width"
     f" {a['width']} ({payload['config']['param_bytes'] / _common.MB:.1f} MB"
     f" of float32 params), micro-batch {a['micro_batch']}, k={a['k']},"
     f" adam; median (min-max) over {a['repeats']} repeats of"
@@ -278,15 +344,19 @@ def figure(payload: dict[str, Any]) -> Any:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(figsize=(6, 3))
-  names = list(payload["results"])
-  micro = [payload["results"][n]["micro_ms"] for n in names]
-  medians = [s["median"] for s in micro]
-  errors = [
-    [s["median"] - s["min"] for s in micro],
-    [s["max"] - s["median"] for s in micro],
+  fig, ax = plt.subplots(figsize=(7, 3))
+  cells = [
+    (f"{n}: {name}", r["micro_ms"])
+    for n, rows in payload["results"].items()
+    for name, r in rows.items()
   ]
-  ax.bar(names, medians, yerr=errors, capsize=4)
+  medians = [s["median"] for _, s in cells]
+  errors = [
+    [s["median"] - s["min"] for _, s in cells],
+    [s["max"] - s["median"] for _, s in cells],
+  ]
+  ax.bar([c for c, _ in cells], medians, yerr=errors, capsize=4)
+  ax.tick_params(axis="x", labelrotation=45, labelsize=7)
   ax.set_ylabel("micro-step ms")
   _common.figure_title(fig, payload)
   return fig

@@ -340,6 +340,7 @@ def bench_flax_mesh(payload: dict[str, Any]) -> str:
   a, config = payload["args"], payload["config"]
   rows = [
     [
+      devices,
       name,
       _spread(r["micro_ms"]),
       _spread(r["speedup"], suffix="x"),
@@ -347,7 +348,8 @@ def bench_flax_mesh(payload: dict[str, Any]) -> str:
       str(r["copies"]),
       f"{r['all_reduced_every_call'] / MB:.2f}",
     ]
-    for name, r in payload["results"].items()
+    for devices, by_name in payload["results"].items()
+    for name, r in by_name.items()
   ]
   checks = "".join(
     f"- {c['what']}: {c['value']:.2f} (target {c['target']}):"
@@ -356,11 +358,13 @@ def bench_flax_mesh(payload: dict[str, Any]) -> str:
   )
   return (
     _machine(payload)
-    + f"\n{a['devices']} CPU devices, {a['layers']} tanh layers of width"
+    + f"\n{'/'.join(map(str, a['devices']))} CPU devices, {a['layers']} tanh"
+    f" layers of width"
     f" {a['width']} ({config['param_bytes'] / MB:.1f} MiB of float32"
     f" params), micro-batch {a['micro_batch']}, k={a['k']}, adam:\n\n"
     + _table(
       [
+        "devices",
         "step",
         "micro-step ms",
         "MultiSteps micro / this",
