@@ -217,3 +217,38 @@ def test_an_unknown_target_names_the_argument():
   params, x = _problem()
   with pytest.raises(ValueError, match="`target` 'h200' is not a known"):
     check_step(_step(tx), params, tx.init(params), x, target="h200")
+
+
+# ---------------------------------------------------------------------------
+# target=: the documented recipes checked for an H100 and 8 H100s without
+# them (tests/_recipes_accel_worker.py, shared with tests/test_recipes.py).
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def on_targets():
+  import _common
+
+  return _common.recipes_on_accelerators()
+
+
+def test_target_passes_every_recipe(on_targets):
+  clean = {k: f for k, f in on_targets.items() if k.startswith("clean/")}
+  assert {f["target"] for f in clean.values()} == {"h100", "h100x8"}
+  assert {k: f["problems"] for k, f in clean.items() if f["problems"]} == {}
+
+
+@pytest.mark.parametrize(
+  ("plant", "flag"),
+  [
+    ("no_donation", "not donated"),
+    ("optax_apply", "use optax_accum.apply_updates"),
+  ],
+)
+def test_target_flags_each_planted_recipe(on_targets, plant, flag):
+  planted = {k: f for k, f in on_targets.items() if k.startswith(plant)}
+  assert len(planted) >= 9
+  unflagged = [
+    k for k, f in planted.items() if not any(flag in p for p in f["problems"])
+  ]
+  assert unflagged == []

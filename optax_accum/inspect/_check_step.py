@@ -40,6 +40,9 @@ class StepReport:
     reductions: All-reduces and reduce-scatters of at least half the largest
       accumulator leaf that run on every call (outside the conditional):
       the gradient reduced on every micro-step.
+    footprint_bytes: The compiled step's memory on one device: arguments,
+      outputs and temporaries, less the outputs that reuse (donated)
+      argument buffers.
   """
 
   problems: tuple[str, ...]
@@ -50,6 +53,7 @@ class StepReport:
   copies: tuple[str, ...]
   undonated: tuple[int, ...]
   reductions: tuple[str, ...] = ()
+  footprint_bytes: int = 0
 
   def __str__(self) -> str:
     lines = [
@@ -77,14 +81,18 @@ def _accumulate_states(args: tuple) -> list[tuple[int, AccumulateState]]:
 
 def _params_positions(args: tuple, acc_grads: Any) -> list[int]:
   """Arguments holding the params: a leaf of each accumulator leaf's shape
-  (a params tree, an NNX model, a linen ``TrainState``)."""
-  wanted = {tuple(x.shape) for x in jax.tree.leaves(acc_grads)}
-  return [
-    i
-    for i, arg in enumerate(args)
-    if wanted
-    and wanted <= {tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(arg)}
-  ]
+  (a params tree, an NNX model, a linen ``TrainState``), or of that shape
+  without its first axis (``shard_map``'s per-device accumulator)."""
+  shapes = [tuple(x.shape) for x in jax.tree.leaves(acc_grads)]
+  candidates = [set(shapes)]
+  if all(shapes) and len({s[0] for s in shapes}) == 1:
+    candidates.append({s[1:] for s in shapes})
+
+  def holds(arg: Any) -> bool:
+    have = {tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(arg)}
+    return any(wanted and wanted <= have for wanted in candidates)
+
+  return [i for i, arg in enumerate(args) if holds(arg)]
 
 
 def _undonated(lowered: Any, positions: list[int]) -> list[int]:
@@ -232,6 +240,14 @@ def _compiled_facts(lowered, args, state_position, state, emit) -> StepReport:
     )
     reductions = _reductions(compiled, least)
   memory = compiled.memory_analysis()
+  footprint = 0
+  if memory is not None:
+    footprint = (
+      memory.argument_size_in_bytes
+      + memory.output_size_in_bytes
+      + memory.temp_size_in_bytes
+      - memory.alias_size_in_bytes
+    )
   return StepReport(
     problems=(),
     micro_step_bytes=program.kernel_bytes(),
@@ -241,6 +257,7 @@ def _compiled_facts(lowered, args, state_position, state, emit) -> StepReport:
     copies=copies,
     undonated=tuple(_undonated(lowered, sorted(set(positions)))),
     reductions=reductions,
+    footprint_bytes=int(footprint),
   )
 
 
