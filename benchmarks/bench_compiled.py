@@ -29,8 +29,10 @@ same steps through :func:`measure`.
 
 import argparse
 import dataclasses
+import json
 import math
 import pathlib
+import subprocess
 import sys
 import tempfile
 from typing import Any
@@ -46,6 +48,7 @@ sys.path[:0] = [
   str(pathlib.Path(__file__).resolve().parents[i]) for i in (0, 1)
 ]
 import _common  # noqa: E402
+import render_readme  # noqa: E402
 from _compiled_steps import (  # noqa: E402
   ADAM_OPS,
   APPLIES,
@@ -198,6 +201,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--batch", type=int, default=16, help="rows per device")
   parser.add_argument("--dtypes", default="f32,bf16", type=_common.csv_list())
   parser.add_argument("--out", default=str(_common.RESULTS_DIR))
+  parser.add_argument(
+    "--no-recipes",
+    dest="recipes",
+    action="store_false",
+    help="skip the documented recipes (tests/_recipes_accel_worker.py)",
+  )
   args = parser.parse_args(argv)
   rows = []
   for target in args.targets:
@@ -209,12 +218,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     "machine": _common.machine_info(),
     "args": vars(args),
     "rows": rows,
+    # The recipes are compiled for one H100 and 8 H100s.
+    "recipes": recipes()
+    if args.recipes and {"h100", "h100x8"} & set(args.targets)
+    else {},
   }
   markdown = render(payload)
   _common.write_outputs(
     args.out, "bench_compiled", payload, markdown, _figure(payload)
   )
   return payload
+
+
+def recipes() -> dict[str, dict[str, Any]]:
+  """The documented recipes, compiled from the docs' text for one H100
+  (f32, bf16) and 8 H100s by the test suite's worker (its model: 4
+  2048-square tanh layers, or one 4096-square matrix for the linear
+  losses), with their floors: ``{"recipe/dtype": facts}``."""
+  worker = pathlib.Path(__file__).resolve().parents[1] / "tests"
+  out = subprocess.run(
+    [
+      sys.executable,
+      str(worker / "_recipes_accel_worker.py"),
+      "--plants",
+      "clean",
+    ],
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout
+  found = json.loads(out.strip().splitlines()[-1])
+  return {key.split("/", 1)[1]: facts for key, facts in found.items()}
 
 
 def _summary(facts: dict) -> str:
@@ -288,11 +322,17 @@ def render(payload: dict) -> str:
         _common.fmt(extra_memory(row, plain)) if plain else "-",
       ]
     )
+  recipes_md = ""
+  if payload.get("recipes"):
+    recipes_md = "\n\nDocumented recipes:\n\n" + (
+      render_readme.bench_compiled_recipes(payload)
+    )
   return (
     "Compiled without a device (not timed): "
     + _common.machine_line(payload["machine"])
     + "\n\n"
     + _common.markdown_table(header, table)
+    + recipes_md
   )
 
 

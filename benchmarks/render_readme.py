@@ -303,6 +303,45 @@ def bench_compiled(payload: dict[str, Any]) -> str:
   )
 
 
+def bench_compiled_recipes(payload: dict[str, Any]) -> str:
+  """The documented recipes, compiled as printed (``bench_compiled.py``):
+  micro-step bytes over the floor of the recipe's own loss, parameter-sized
+  copies, extra memory over its inner optimizer's plain step."""
+  if not payload.get("recipes"):
+    return "(no recipes in `bench_compiled.json` yet: run `make bench`)\n"
+  body = []
+  for key, f in payload["recipes"].items():
+    name, dtype = key.split("/")
+    extra = (f["footprint"] - f["plain_footprint"]) / f["accumulator_bytes"]
+    body.append(
+      [
+        f"`{name}`",
+        f["target"],
+        dtype,
+        f"{f['micro_step_bytes'] / f['floor_bytes']:.2f}",
+        str(len(f["copies"])),
+        f"{extra:.2f}",
+        str(len(f["problems"])),
+      ]
+    )
+  m = payload["machine"]
+  return (
+    f"Compiled {m['timestamp'][:10]} without the devices, jax {m['jax']}.\n\n"
+    + _table(
+      [
+        "recipe (as the docs print it)",
+        "target",
+        "params",
+        "micro-step bytes / floor",
+        "param-sized copies",
+        "extra memory / accumulator",
+        "check_step problems",
+      ],
+      body,
+    )
+  )
+
+
 def wire_dtype(payload: dict[str, Any]) -> str:
   """examples/lm/wire_dtype.py: float32 vs bfloat16 on the wire."""
   a = payload["args"]
@@ -542,6 +581,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
   "bench_comm": bench_comm,
   "bench_comm-sharded": bench_comm_sharded,
   "bench_compiled": bench_compiled,
+  "bench_compiled-recipes": bench_compiled_recipes,
   "bench_plan": bench_plan,
   "bench_flax_mesh": bench_flax_mesh,
   "wire_dtype": wire_dtype,
@@ -550,6 +590,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
 # Where each block's JSON is, when not RESULTS / f"{name}.json".
 SOURCES = {
   "bench_comm-sharded": RESULTS / "bench_comm.json",
+  "bench_compiled-recipes": RESULTS / "bench_compiled.json",
   "wire_dtype": LM_RESULTS / "wire_dtype.json",
   # Several files: the renderer gets {name: payload}.
   "performance": tuple(

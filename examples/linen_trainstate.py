@@ -23,6 +23,7 @@ with ``flush=True``, that both give the parameters of the big batches.
 """
 
 import argparse
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -66,7 +67,9 @@ def loss_fn(params, apply_fn, x, y, mask):
   return jnp.sum(err * mask) / jnp.sum(mask)
 
 
-@jax.jit
+# Donate the state: its accumulator (and params) are updated in place, not
+# copied on every micro-batch.
+@functools.partial(jax.jit, donate_argnums=0)
 def accumulate_step(state: AccumTrainState, x, y, mask, flush=False):
   grads = jax.grad(loss_fn)(state.params, state.apply_fn, x, y, mask)
   return state.apply_gradients(grads=grads, weight=jnp.sum(mask), flush=flush)
@@ -116,7 +119,7 @@ def train_both(steps: int = 3, every_k: int = 4, micro_batch: int = 8):
   for counts in STEP_COUNTS:
     state = AccumTrainState.create(
       apply_fn=model.apply,
-      params=params,
+      params=jax.tree.map(jnp.copy, params),  # its own: the step donates it
       tx=optax_accum.accumulate(inner, every_k),
       counts=counts,
     )

@@ -1,15 +1,19 @@
 """optax_accum with Flax NNX: the shortest correct training step.
 
-``nnx.Optimizer.update(model, grads, **kwargs)`` forwards its keyword
-arguments to ``tx.update`` (checked with flax 0.12), so the micro-batch's
-weight goes straight through:
+``optax_accum.flax.Optimizer`` is ``nnx.Optimizer`` (same constructor, same
+``update(model, grads, **kwargs)``, same fields) applying the updates with
+``optax_accum.apply_updates``: a micro-step neither reads nor writes the
+params. The micro-batch's weight goes straight through to ``tx.update``:
 
-  optimizer = nnx.Optimizer(model, optax_accum.accumulate(inner, k),
-                            wrt=nnx.Param)
+  optimizer = optax_accum.flax.Optimizer(model, optax_accum.accumulate(inner, k),
+                                         wrt=nnx.Param)
   optimizer.update(model, grads, weight=n_real)  # once per micro-batch
 
-The parameters move on every k-th call only. ``optimizer.step`` counts calls
-(micro-batches); the optimizer step is ``optimizer.opt_state.step``.
+Donate the model and the optimizer (``nnx.jit(..., donate_argnums=(0, 1))``):
+the accumulator is a parameter-sized buffer that the step should update in
+place, not copy. The parameters move on every k-th call only.
+``optimizer.step`` counts calls (micro-batches); the optimizer step is
+``optimizer.optimizer_step``.
 
 Running this file checks, on a tiny regression with a different number of
 real (unmasked) rows in every micro-batch, that k weighted micro-batches give
@@ -19,6 +23,7 @@ the parameters of one big batch.
 """
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +40,8 @@ def loss_fn(model: nnx.Module, x, y, mask):
   return jnp.sum(err * mask) / jnp.sum(mask)
 
 
-@nnx.jit
+# The model and the optimizer (its accumulator) are updated in place.
+@functools.partial(nnx.jit, donate_argnums=(0, 1))
 def accumulate_step(model, optimizer, x, y, mask):
   loss, grads = nnx.value_and_grad(loss_fn)(model, x, y, mask)
   # The loss is a mean over sum(mask) rows: weigh the gradient by them.
@@ -74,7 +80,7 @@ def train_both(steps: int = 3, every_k: int = 4, micro_batch: int = 8):
     big_batch_step(big, big_opt, x[s], y[s], mask[s])
 
   model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
-  optimizer = nnx.Optimizer(
+  optimizer = optax_accum.flax.Optimizer(
     model, optax_accum.accumulate(inner, every_k), wrt=nnx.Param
   )
   for s in range(steps):
@@ -82,7 +88,7 @@ def train_both(steps: int = 3, every_k: int = 4, micro_batch: int = 8):
       rows = slice(i * micro_batch, (i + 1) * micro_batch)
       accumulate_step(model, optimizer, x[s, rows], y[s, rows], mask[s, rows])
   assert int(optimizer.step[...]) == steps * every_k  # calls
-  assert int(optimizer.opt_state.step[...]) == steps  # optimizer steps
+  assert int(optimizer.optimizer_step) == steps  # optimizer steps
   return nnx.state(big, nnx.Param), nnx.state(model, nnx.Param)
 
 

@@ -1,7 +1,11 @@
 """Small trees and transformations shared by the test modules."""
 
+import functools
+import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -78,3 +82,20 @@ def compiled_peak(step, args) -> int:
     - memory.alias_size_in_bytes
   )
   return max(memory.peak_memory_in_bytes, total)
+
+
+@functools.cache
+def recipes_on_accelerators() -> dict:
+  """Every documented recipe compiled for one H100 and 8 H100s, clean and
+  planted (``tests/_recipes_accel_worker.py``), in one subprocess per test
+  run: ``{"plant/recipe/dtype": facts}``."""
+  result = subprocess.run(
+    [sys.executable, str(REPO / "tests" / "_recipes_accel_worker.py")],
+    capture_output=True,
+    text=True,
+    env=accel_env(),
+    timeout=900,
+    check=False,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  return json.loads(result.stdout.strip().splitlines()[-1])

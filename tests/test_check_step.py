@@ -126,3 +126,129 @@ def test_a_static_step_passes_when_told(emit):
 def test_args_without_an_accumulate_state_name_the_argument():
   with pytest.raises(ValueError, match="`args` must hold exactly one"):
     check_step(jax.jit(lambda x: x), jnp.ones(2))
+
+
+# ---------------------------------------------------------------------------
+# nnx.jit steps, and the gradient reduced on every micro-step.
+# ---------------------------------------------------------------------------
+
+
+def _nnx_check(optimizer_class, donate=(0, 1)):
+  from flax import nnx
+
+  model = nnx.Linear(WIDTH, WIDTH, rngs=nnx.Rngs(0))
+  tx = optax_accum.accumulate(optax.adam(1e-3), 4)
+  optimizer = optimizer_class(model, tx, wrt=nnx.Param)
+
+  @functools.partial(nnx.jit, donate_argnums=donate)
+  def step(model, optimizer, x):
+    grads = nnx.grad(lambda m: jnp.mean(jnp.tanh(m(x)) ** 2))(model)
+    optimizer.update(model, grads)
+
+  x = jnp.ones((8, WIDTH))
+  step(model, optimizer, x)  # a cached trace must not hide the update
+  return check_step(step, model, optimizer, x)
+
+
+def test_an_nnx_jit_step_with_the_drop_in_passes():
+  report = _nnx_check(optax_accum.flax.Optimizer)
+  assert report.problems == () and report.conditionals >= 1, str(report)
+
+
+def test_an_nnx_jit_step_with_the_stock_optimizer_is_flagged():
+  from flax import nnx
+
+  report = _nnx_check(nnx.Optimizer)
+  assert any("use optax_accum.apply_updates" in p for p in report.problems)
+
+
+def test_an_undonated_nnx_jit_step_names_the_model_and_optimizer():
+  report = _nnx_check(optax_accum.flax.Optimizer, donate=())
+  assert report.undonated == (0, 1) and report.copies, str(report)
+  assert any("nnx.jit" in p for p in report.problems)
+
+
+def _data_parallel_check(deferred: bool, emit=None):
+  """Params replicated, the batch split over 8 CPU devices."""
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  axis = "data" if deferred else None
+  tx = optax_accum.accumulate(optax.adam(1e-3), 4, axis_name=axis)
+  if deferred:
+    grad_fn = optax_accum.distributed.local_value_and_grad(_loss)
+  else:
+    grad_fn = jax.value_and_grad(_loss)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, state, x):
+    _, grads = grad_fn(params, x)
+    updates, state = tx.update(grads, state, params, emit=emit)
+    return optax_accum.apply_updates(params, updates, state), state
+
+  with jax.set_mesh(mesh):
+    params = jax.device_put(_problem()[0], NamedSharding(mesh, P()))
+    x = jax.device_put(jnp.ones((16, WIDTH)), NamedSharding(mesh, P("data")))
+    return check_step(step, params, tx.init(params), x, emit=emit)
+
+
+def test_a_gradient_reduced_every_micro_step_is_flagged_with_the_fix():
+  report = _data_parallel_check(deferred=False)
+  assert report.reductions, str(report)
+  (problem,) = [p for p in report.problems if "reduction" in p]
+  assert "axis_name=" in problem and "local_value_and_grad" in problem
+  assert "optax_accum.flax.local_value_and_grad" in problem
+
+
+def test_a_deferred_reduction_passes():
+  report = _data_parallel_check(deferred=True)
+  assert report.reductions == () and report.problems == (), str(report)
+
+
+def test_the_emitting_static_step_may_reduce():
+  """`emit=True` reduces by design: its call ends the cycle."""
+  report = _data_parallel_check(deferred=True, emit=True)
+  assert report.reductions == () and report.problems == (), str(report)
+
+
+def test_an_unknown_target_names_the_argument():
+  tx = optax_accum.accumulate(optax.adam(1e-3), 4)
+  params, x = _problem()
+  with pytest.raises(ValueError, match="`target` 'h200' is not a known"):
+    check_step(_step(tx), params, tx.init(params), x, target="h200")
+
+
+# ---------------------------------------------------------------------------
+# target=: the documented recipes checked for an H100 and 8 H100s without
+# them (tests/_recipes_accel_worker.py, shared with tests/test_recipes.py).
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def on_targets():
+  import _common
+
+  return _common.recipes_on_accelerators()
+
+
+def test_target_passes_every_recipe(on_targets):
+  clean = {k: f for k, f in on_targets.items() if k.startswith("clean/")}
+  assert {f["target"] for f in clean.values()} == {"h100", "h100x8"}
+  assert {k: f["problems"] for k, f in clean.items() if f["problems"]} == {}
+
+
+@pytest.mark.parametrize(
+  ("plant", "flag"),
+  [
+    ("no_donation", "not donated"),
+    ("optax_apply", "use optax_accum.apply_updates"),
+  ],
+)
+def test_target_flags_each_planted_recipe(on_targets, plant, flag):
+  planted = {k: f for k, f in on_targets.items() if k.startswith(plant)}
+  assert len(planted) >= 9
+  unflagged = [
+    k for k, f in planted.items() if not any(flag in p for p in f["problems"])
+  ]
+  assert unflagged == []

@@ -86,7 +86,7 @@ def train_step(params, opt_state, batch):
     pred = batch["x"] @ params["w"] + params["b"]
     return jnp.mean((pred - batch["y"]) ** 2)
   updates, opt_state = tx.update(jax.grad(loss_fn)(params), opt_state, params)
-  return optax.apply_updates(params, updates), opt_state
+  return optax_accum.apply_updates(params, updates, opt_state), opt_state
 """,
   # The previous block's optimizer state, saved with Orbax at `path`.
   "orbax_saved": """

@@ -1,19 +1,22 @@
 """``check_step``: what a user's own jitted train step does on a micro-step.
 
-The step is traced and compiled for its arguments (here, with the installed
-backend); the report reads the trace (which ``apply_updates`` ran) and the
-compiled program (donation, conditionals, copies on the micro-step path,
-memory beyond the accumulator).
+The step (``jax.jit`` or ``nnx.jit``) is traced and compiled for its
+arguments, with the installed backend or, with ``target=``, for a deviceless
+accelerator (:mod:`optax_accum.targets`, as ``plan_micro_batch`` does); the
+report reads the trace (which ``apply_updates`` ran) and the compiled program
+(donation, conditionals, copies and reductions on the micro-step path, memory
+beyond the accumulator).
 """
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 
-from optax_accum import _apply
+from optax_accum import _apply, _plan
 from optax_accum._state import AccumulateState, is_accumulate_state
-from optax_accum.inspect import _program
+from optax_accum.inspect import _collectives, _hlo, _program
 
 # Copies smaller than this are not reported (a tiny model's counters).
 _MIN_COPY_BYTES = 4096
@@ -34,6 +37,12 @@ class StepReport:
       KiB) that a micro-step runs.
     undonated: Arguments holding the ``AccumulateState`` or the params that
       are not donated (their positions).
+    reductions: All-reduces and reduce-scatters of at least half the largest
+      accumulator leaf that run on every call (outside the conditional):
+      the gradient reduced on every micro-step.
+    footprint_bytes: The compiled step's memory on one device: arguments,
+      outputs and temporaries, less the outputs that reuse (donated)
+      argument buffers.
   """
 
   problems: tuple[str, ...]
@@ -43,6 +52,8 @@ class StepReport:
   conditionals: int
   copies: tuple[str, ...]
   undonated: tuple[int, ...]
+  reductions: tuple[str, ...] = ()
+  footprint_bytes: int = 0
 
   def __str__(self) -> str:
     lines = [
@@ -51,6 +62,8 @@ class StepReport:
       f"temporary memory: {self.temp_bytes} bytes",
       f"conditionals on every call: {self.conditionals}",
     ]
+    if self.reductions:
+      lines.append(f"reductions on every call: {len(self.reductions)}")
     if not self.problems:
       return "\n".join(["step check: no problem found", *lines])
     problems = [f"  - {p}" for p in self.problems]
@@ -67,13 +80,19 @@ def _accumulate_states(args: tuple) -> list[tuple[int, AccumulateState]]:
 
 
 def _params_positions(args: tuple, acc_grads: Any) -> list[int]:
-  """Arguments whose tree is the accumulator's (the params)."""
-  structure = jax.tree.structure(acc_grads)
-  return [
-    i
-    for i, arg in enumerate(args)
-    if not _accumulate_states((arg,)) and jax.tree.structure(arg) == structure
-  ]
+  """Arguments holding the params: a leaf of each accumulator leaf's shape
+  (a params tree, an NNX model, a linen ``TrainState``), or of that shape
+  without its first axis (``shard_map``'s per-device accumulator)."""
+  shapes = [tuple(x.shape) for x in jax.tree.leaves(acc_grads)]
+  candidates = [set(shapes)]
+  if all(shapes) and len({s[0] for s in shapes}) == 1:
+    candidates.append({s[1:] for s in shapes})
+
+  def holds(arg: Any) -> bool:
+    have = {tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(arg)}
+    return any(wanted and wanted <= have for wanted in candidates)
+
+  return [i for i, arg in enumerate(args) if holds(arg)]
 
 
 def _undonated(lowered: Any, positions: list[int]) -> list[int]:
@@ -106,12 +125,14 @@ def _trace_problems(events: list[str]) -> list[str]:
   return problems
 
 
-def check_step(step: Any, *args: Any, emit: bool | None = None) -> StepReport:
+def check_step(
+  step: Any, *args: Any, emit: bool | None = None, target: str | None = None
+) -> StepReport:
   """Compiles `step` for `args` and reports what its micro-step does.
 
-  `step` is the user's train step, ``jax.jit``-wrapped as it runs (its
-  donation included); one of `args` holds the optimizer state with an
-  :class:`~optax_accum.AccumulateState`. Found problems name their fix:
+  `step` is the user's train step, ``jax.jit``- or ``nnx.jit``-wrapped as it
+  runs (its donation included); one of `args` holds the optimizer state with
+  an :class:`~optax_accum.AccumulateState`. Found problems name their fix:
 
   * an argument holding the state or the params that is not donated
     ("donate argument i"): the accumulator is then copied, not updated in
@@ -122,14 +143,22 @@ def check_step(step: Any, *args: Any, emit: bool | None = None) -> StepReport:
     selects); with ``emit=`` (a static cycle, no conditional by design),
     pass ``emit=`` here too;
   * copies of accumulator-sized buffers on the micro-step path;
+  * a parameter-sized all-reduce or reduce-scatter on every call (the
+    gradient reduced on every micro-step instead of once per cycle);
   * temporary memory above the accumulator's size.
 
   Args:
-    step: A ``jax.jit``-wrapped function (a plain function is jitted here,
-      without donation, and reported so).
-    *args: Its arguments (arrays or ``jax.ShapeDtypeStruct``).
+    step: A ``jax.jit`` or ``nnx.jit``-wrapped function (a plain function
+      is jitted here, without donation, and reported so).
+    *args: Its arguments (arrays, ``jax.ShapeDtypeStruct``, NNX modules),
+      static ones included, as the step takes them.
     emit: Whether the step is a static one (``emit=True/False`` inside):
       then no conditional is expected.
+    target: None to compile for this machine, or a deviceless target of
+      :mod:`optax_accum.targets` (``"h100"``, ``"h100x8"``, ...), as in
+      :func:`optax_accum.plan_micro_batch`: arguments without a sharding
+      are placed on its devices (argument 2, the batch, split over them).
+      Needs the accelerator compilers and ``JAX_PLATFORMS=cpu``.
 
   Returns:
     A :class:`StepReport`; ``print`` it, or use :func:`assert_step`.
@@ -156,39 +185,91 @@ def check_step(step: Any, *args: Any, emit: bool | None = None) -> StepReport:
       "`args` must hold exactly one AccumulateState (the optimizer state"
       f" of optax_accum.accumulate), found {len(states)}."
     )
-  # A fresh trace of the function itself (a new wrapper each time: a trace
-  # of `step`, or of a function traced before, may be cached).
-  function = getattr(step, "__wrapped__", step)
+  if target is not None:
+    args = _plan._placed(args, _plan._where(target, None).mesh)
   with _apply.watching() as events:
-    jax.make_jaxpr(lambda *a: function(*a))(*args)
-  report = _compiled_facts(step.lower(*args), args, *states[0], emit)
+    _fresh_trace(step, args)
+  lowered = step.lower(*args)
+  lowered = getattr(lowered, "lowered", lowered)  # nnx.jit's stage wraps it
+  report = _compiled_facts(lowered, args, *states[0], emit)
   problems = _donation_problems(report.undonated) + _trace_problems(events)
   problems += _program_problems(report, events, emit)
   return dataclasses.replace(report, problems=tuple(problems))
+
+
+def _fresh_trace(step: Any, args: tuple) -> None:
+  """Traces the step's function in a new wrapper (with the same static
+  arguments): a trace of `step` itself may be cached and run no Python,
+  and then no ``update`` or ``apply_updates`` call would be seen."""
+  jitted = getattr(step, "jitted_fn", step)  # nnx.jit holds a jax.jit
+  info = getattr(jitted, "_jit_info", None)
+  function = getattr(step, "fun", None) or getattr(step, "__wrapped__", step)
+
+  @functools.wraps(function)
+  def fresh(*a: Any, **k: Any) -> Any:
+    return function(*a, **k)
+
+  if info is None:  # another wrapper: trace its function, all args traced
+    jax.make_jaxpr(fresh)(*args)
+    return
+  statics = dict(
+    static_argnums=info.static_argnums, static_argnames=info.static_argnames
+  )
+  if jitted is not step:
+    from flax import nnx
+
+    nnx.jit(fresh, **statics).trace(*args)
+  else:
+    jax.jit(fresh, **statics).trace(*args)
 
 
 def _compiled_facts(lowered, args, state_position, state, emit) -> StepReport:
   """The report's figures, without the problems."""
   compiled = lowered.compile()
   program = _program.Program(compiled)
-  acc_leaves = jax.tree.leaves(state.acc_grads)
-  largest = max((x.size * x.dtype.itemsize for x in acc_leaves), default=0)
+  acc_bytes = [
+    x.size * x.dtype.itemsize for x in jax.tree.leaves(state.acc_grads)
+  ]
+  largest = max(acc_bytes, default=0)
   positions = [state_position, *_params_positions(args, state.acc_grads)]
-  copies = ()
+  copies = reductions = ()
   if emit is not True:  # A static emitting step has no micro-step.
+    least = max(_MIN_COPY_BYTES, largest // 2)
     copies = tuple(
-      f"{k.name}: {k.shape}"
-      for k in program.copies(min_bytes=max(_MIN_COPY_BYTES, largest // 2))
+      f"{k.name}: {k.shape}" for k in program.copies(min_bytes=least)
     )
+    reductions = _reductions(compiled, least)
   memory = compiled.memory_analysis()
+  footprint = 0
+  if memory is not None:
+    footprint = (
+      memory.argument_size_in_bytes
+      + memory.output_size_in_bytes
+      + memory.temp_size_in_bytes
+      - memory.alias_size_in_bytes
+    )
   return StepReport(
     problems=(),
     micro_step_bytes=program.kernel_bytes(),
-    accumulator_bytes=sum(x.size * x.dtype.itemsize for x in acc_leaves),
+    accumulator_bytes=sum(acc_bytes),
     temp_bytes=int(getattr(memory, "temp_size_in_bytes", 0)) if memory else 0,
     conditionals=program.conditionals(),
     copies=copies,
     undonated=tuple(_undonated(lowered, sorted(set(positions)))),
+    reductions=reductions,
+    footprint_bytes=int(footprint),
+  )
+
+
+def _reductions(compiled: Any, min_bytes: int) -> tuple[str, ...]:
+  """Reductions of at least `min_bytes` that run on every call."""
+  records = _collectives._records(_hlo.HloModule(compiled.as_text()))
+  return tuple(
+    f"{c.opcode} {c.name}: {c.bytes} bytes"
+    for c in records
+    if c.opcode in _collectives.REDUCTION_OPCODES
+    and c.unconditional
+    and c.bytes >= min_bytes
   )
 
 
@@ -198,7 +279,8 @@ def _donation_problems(undonated: tuple[int, ...]) -> list[str]:
   which = ", ".join(map(str, undonated))
   return [
     f"argument(s) {which} (the optimizer state / params) not donated:"
-    f" donate them, jax.jit(..., donate_argnums={tuple(undonated)}), so"
+    f" donate them, jax.jit(..., donate_argnums={tuple(undonated)}) (or"
+    " nnx.jit's), so"
     " that the accumulator and the params are updated in place, not copied"
   ]
 
@@ -215,6 +297,15 @@ def _program_problems(report: StepReport, events, emit) -> list[str]:
       f"{len(report.copies)} accumulator-sized copies on a micro-step:"
       f" {report.copies}"
     )
+  if report.reductions:
+    problems.append(
+      f"{len(report.reductions)} parameter-sized reduction(s) on every call"
+      f" {report.reductions}: the gradient is reduced on every micro-step;"
+      " defer it to the cycle's end with accumulate(..., axis_name=...) and"
+      " an unreduced gradient: optax_accum.distributed.local_value_and_grad"
+      " under jit (optax_accum.flax.local_value_and_grad for NNX), or the"
+      " params pcast to varying inside shard_map"
+    )
   acc, temp = report.accumulator_bytes, report.temp_bytes
   if temp > 1.05 * acc and temp > 1 << 20:
     problems.append(
@@ -224,9 +315,11 @@ def _program_problems(report: StepReport, events, emit) -> list[str]:
   return problems
 
 
-def assert_step(step: Any, *args: Any, emit: bool | None = None) -> None:
+def assert_step(
+  step: Any, *args: Any, emit: bool | None = None, target: str | None = None
+) -> None:
   """:func:`check_step`, raising an ``AssertionError`` with the report if
   it found a problem."""
-  report = check_step(step, *args, emit=emit)
+  report = check_step(step, *args, emit=emit, target=target)
   if report.problems:
     raise AssertionError(str(report))
