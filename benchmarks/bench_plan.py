@@ -57,11 +57,11 @@ def _plan_once(model, target, limit) -> tuple[Any, float]:
 def _truth(model, target, budget: int) -> tuple[int, int, float]:
   """(largest fitting micro-batch, compiles, seconds), compiling every
   divisor of the global batch."""
-  where = _plan._where(target, 1)
+  where = _plan.where_to_compile(target, 1)
   sizes = _plan._divisors(model.global_batch, 1)
   start, best = time.perf_counter(), 0
   for n in sizes:
-    args = _plan._placed(model.args_for(n), where.mesh)
+    args = _plan.placed(model.args_for(n), where.mesh)
     memory = model.step.lower(*args).compile().memory_analysis()
     if _plan._peak(memory) <= budget:
       best = n

@@ -194,7 +194,7 @@ def plan_micro_batch(
   """
   steps = _steps(step, variants)
   _check_arguments(global_batch, headroom, memory_limit)
-  where = _where(target, memory_limit)
+  where = where_to_compile(target, memory_limit)
   whole = _call_args_for(args_for, global_batch)
   sizes = _divisors(global_batch, _batch_multiple(whole, where))
   _check_args_for(args_for, sizes, whole)
@@ -255,7 +255,7 @@ def _check_arguments(global_batch: Any, headroom: Any, memory_limit: Any):
     )
 
 
-def _where(target: Any, memory_limit: int | None) -> _Where:
+def where_to_compile(target: Any, memory_limit: int | None) -> _Where:
   """The local devices (target None) or a deviceless target, with its limit."""
   if target is None:
     device = jax.devices()[0]
@@ -293,7 +293,7 @@ def _where(target: Any, memory_limit: int | None) -> _Where:
   )
 
 
-def _placed(args: tuple, mesh: Any) -> tuple:
+def placed(args: tuple, mesh: Any) -> tuple:
   """`args` as ``ShapeDtypeStruct``s on `mesh`: the batch (argument 2) split
   over all devices on its first axis, the rest replicated; shardings the
   caller gave are kept."""
@@ -333,7 +333,7 @@ def _call_args_for(args_for: Callable[[int], Any], n: int) -> tuple:
 def _batch_multiple(whole: tuple, where: _Where) -> int:
   """How many shards the batch's first axis is split into (1 unsharded),
   from the arguments of the whole global batch."""
-  args = _placed(whole, where.mesh)
+  args = placed(whole, where.mesh)
   shards = 1
   for x in jax.tree.leaves(args[2:3]):
     sharding = getattr(x, "sharding", None)
@@ -394,7 +394,7 @@ class _Compiler:
     self.costs: dict[int, tuple[float, float] | None] = {}
 
   def __call__(self, n: int) -> Candidate:
-    args = _placed(_call_args_for(self.args_for, n), self.where.mesh)
+    args = placed(_call_args_for(self.args_for, n), self.where.mesh)
     start = time.perf_counter()
     try:
       lowered = self.step.lower(*args)
@@ -420,7 +420,7 @@ class _Compiler:
     program's before partitioning, from this machine's backend, split evenly
     over the devices."""
     if self.costs.get(n) is None:
-      args = _placed(_call_args_for(self.args_for, n), self.where.mesh)
+      args = placed(_call_args_for(self.args_for, n), self.where.mesh)
       devices = 1 if self.where.mesh is None else self.where.mesh.devices.size
       here = jax.tree.map(
         lambda x: (
@@ -442,18 +442,23 @@ class _Compiler:
     return self.costs[n]
 
 
-def _peak(memory: Any) -> int:
-  """Peak bytes per device: the larger of the compiler's peak and arguments
-  + outputs + temporaries - aliased (XLA:CPU's reported peak leaves the
-  temporaries out)."""
-  peak = int(getattr(memory, "peak_memory_in_bytes", 0) or 0)
-  total = (
+def footprint(memory: Any) -> int:
+  """A compiled program's bytes per device from its ``memory_analysis()``:
+  arguments + outputs + temporaries - the outputs that reuse (donated)
+  argument buffers."""
+  return int(
     memory.argument_size_in_bytes
     + memory.output_size_in_bytes
     + memory.temp_size_in_bytes
     - memory.alias_size_in_bytes
   )
-  return max(peak, int(total))
+
+
+def _peak(memory: Any) -> int:
+  """Peak bytes per device: the larger of the compiler's peak and the
+  :func:`footprint` (XLA:CPU's reported peak leaves the temporaries out)."""
+  peak = int(getattr(memory, "peak_memory_in_bytes", 0) or 0)
+  return max(peak, footprint(memory))
 
 
 def _required_bytes(message: str) -> int | None:

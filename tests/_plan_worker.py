@@ -38,9 +38,9 @@ BIG = _plan_models.ModelConfig(
 
 def _peak_here(model, target: str, n: int) -> int:
   """The compiled peak of `model`'s step for `n` examples on `target`."""
-  where = _plan._where(target, None)
+  where = _plan.where_to_compile(target, None)
   return _common.compiled_peak(
-    model.step, _plan._placed(model.args_for(n), where.mesh)
+    model.step, _plan.placed(model.args_for(n), where.mesh)
   )
 
 

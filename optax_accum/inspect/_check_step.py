@@ -16,7 +16,7 @@ import jax
 
 from optax_accum import _apply, _plan
 from optax_accum._state import AccumulateState, is_accumulate_state
-from optax_accum.inspect import _collectives, _hlo, _program
+from optax_accum.inspect import _collectives, _program
 
 # Copies smaller than this are not reported (a tiny model's counters).
 _MIN_COPY_BYTES = 4096
@@ -186,7 +186,7 @@ def check_step(
       f" of optax_accum.accumulate), found {len(states)}."
     )
   if target is not None:
-    args = _plan._placed(args, _plan._where(target, None).mesh)
+    args = _plan.placed(args, _plan.where_to_compile(target, None).mesh)
   with _apply.watching() as events:
     _fresh_trace(step, args)
   lowered = step.lower(*args)
@@ -240,14 +240,7 @@ def _compiled_facts(lowered, args, state_position, state, emit) -> StepReport:
     )
     reductions = _reductions(compiled, least)
   memory = compiled.memory_analysis()
-  footprint = 0
-  if memory is not None:
-    footprint = (
-      memory.argument_size_in_bytes
-      + memory.output_size_in_bytes
-      + memory.temp_size_in_bytes
-      - memory.alias_size_in_bytes
-    )
+  footprint = _plan.footprint(memory) if memory is not None else 0
   return StepReport(
     problems=(),
     micro_step_bytes=program.kernel_bytes(),
@@ -257,16 +250,15 @@ def _compiled_facts(lowered, args, state_position, state, emit) -> StepReport:
     copies=copies,
     undonated=tuple(_undonated(lowered, sorted(set(positions)))),
     reductions=reductions,
-    footprint_bytes=int(footprint),
+    footprint_bytes=footprint,
   )
 
 
 def _reductions(compiled: Any, min_bytes: int) -> tuple[str, ...]:
   """Reductions of at least `min_bytes` that run on every call."""
-  records = _collectives._records(_hlo.HloModule(compiled.as_text()))
   return tuple(
     f"{c.opcode} {c.name}: {c.bytes} bytes"
-    for c in records
+    for c in _collectives.collectives(compiled)
     if c.opcode in _collectives.REDUCTION_OPCODES
     and c.unconditional
     and c.bytes >= min_bytes
