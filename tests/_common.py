@@ -70,18 +70,50 @@ def accel_env() -> dict[str, str]:
   return env
 
 
-def compiled_peak(step, args) -> int:
-  """A compiled step's peak bytes per device, computed apart from
-  ``optax_accum.plan_micro_batch`` (which must agree): the larger of the
-  compiler's peak and arguments + outputs + temporaries - aliased."""
-  memory = step.lower(*args).compile().memory_analysis()
-  total = (
+def footprint(compiled) -> int:
+  """A compiled step's bytes per device, computed apart from the library's
+  (``optax_accum._plan.footprint``, which must agree): arguments + outputs
+  + temporaries - the outputs that reuse donated argument buffers."""
+  memory = compiled.memory_analysis()
+  return (
     memory.argument_size_in_bytes
     + memory.output_size_in_bytes
     + memory.temp_size_in_bytes
     - memory.alias_size_in_bytes
   )
-  return max(memory.peak_memory_in_bytes, total)
+
+
+def compiled_peak(step, args) -> int:
+  """A compiled step's peak bytes per device, computed apart from
+  ``optax_accum.plan_micro_batch`` (which must agree): the larger of the
+  compiler's peak and :func:`footprint`."""
+  compiled = step.lower(*args).compile()
+  return max(
+    compiled.memory_analysis().peak_memory_in_bytes, footprint(compiled)
+  )
+
+
+def run_with_compilers(
+  argv: list, *, timeout: int = 900, what: str = ""
+) -> str:
+  """Runs ``python *argv`` with the accelerator compilers
+  (:func:`accel_env`), asserting that it succeeds; its stdout. `what`
+  prefixes the failure message."""
+  result = subprocess.run(
+    [sys.executable, *map(str, argv)],
+    capture_output=True,
+    text=True,
+    env=accel_env(),
+    timeout=timeout,
+    check=False,
+  )
+  assert result.returncode == 0, f"{what}{result.stderr[-4000:]}"
+  return result.stdout
+
+
+def last_json_line(stdout: str):
+  """What a worker printed last, as JSON."""
+  return json.loads(stdout.strip().splitlines()[-1])
 
 
 @functools.cache
@@ -89,13 +121,5 @@ def recipes_on_accelerators() -> dict:
   """Every documented recipe compiled for one H100 and 8 H100s, clean and
   planted (``tests/_recipes_accel_worker.py``), in one subprocess per test
   run: ``{"plant/recipe/dtype": facts}``."""
-  result = subprocess.run(
-    [sys.executable, str(REPO / "tests" / "_recipes_accel_worker.py")],
-    capture_output=True,
-    text=True,
-    env=accel_env(),
-    timeout=900,
-    check=False,
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  return json.loads(result.stdout.strip().splitlines()[-1])
+  worker = REPO / "tests" / "_recipes_accel_worker.py"
+  return last_json_line(run_with_compilers([worker]))

@@ -47,6 +47,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests")]
 
+import _common  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
@@ -222,6 +223,23 @@ def _nnx_loss(model):
 # ----------------------------------------------------------------------------
 
 
+def _one_h100(ns, carried, batch, mesh, params, loss, static=False) -> Recipe:
+  """A recipe for one H100: the block's ``train_step(*carried, batch)``,
+  or with `static` its ``static_step(*carried, batch, False)`` (emit=False,
+  a micro-step)."""
+  return Recipe(
+    step=ns["static_step"] if static else ns["train_step"],
+    args=(*carried, batch) + ((False,) if static else ()),
+    target="h100",
+    engine="local",
+    mesh=mesh,
+    params=params,
+    batch=(batch,),
+    loss=loss,
+    emit=False if static else None,
+  )
+
+
 def readme(plant, dtype, static=False):
   mesh = targets.mesh("h100", (1,), ("data",))
   ns = _run(
@@ -237,19 +255,8 @@ def readme(plant, dtype, static=False):
   params = {"w": _sds(mesh, (LINEAR, LINEAR), dtype)}
   state = _placed(jax.eval_shape(ns["tx"].init, params), mesh)
   batch = _masked_batch(mesh, dtype, LINEAR, ROWS)
-  step = ns["static_step"] if static else ns["train_step"]
-  args = (params, state, batch, False) if static else (params, state, batch)
-  return Recipe(
-    step,
-    args,
-    "h100",
-    "local",
-    mesh,
-    params,
-    (batch,),
-    ns["loss_fn"],
-    emit=False if static else None,
-  )
+  carried = (params, state)
+  return _one_h100(ns, carried, batch, mesh, params, ns["loss_fn"], static)
 
 
 def nnx_guide(plant, dtype, static=False):
@@ -277,19 +284,7 @@ def nnx_guide(plant, dtype, static=False):
   model, optimizer = _placed(nnx.eval_shape(make), mesh)
   batch = _masked_batch(mesh, dtype, WIDTH, ROWS)
   params, loss = _nnx_loss(model)
-  step = ns["static_step"] if static else ns["train_step"]
-  args = (model, optimizer, batch) + ((False,) if static else ())
-  return Recipe(
-    step,
-    args,
-    "h100",
-    "local",
-    mesh,
-    params,
-    (batch,),
-    loss,
-    emit=False if static else None,
-  )
+  return _one_h100(ns, (model, optimizer), batch, mesh, params, loss, static)
 
 
 def linen_guide(plant, dtype):
@@ -316,16 +311,7 @@ def linen_guide(plant, dtype):
   def loss(params, batch):
     return _masked_mean(model.apply(params, batch["x"]), batch)
 
-  return Recipe(
-    ns["train_step"],
-    (state, batch),
-    "h100",
-    "local",
-    mesh,
-    params,
-    (batch,),
-    loss,
-  )
+  return _one_h100(ns, (state,), batch, mesh, params, loss)
 
 
 def nnx_data_parallel(plant, dtype):
@@ -552,16 +538,6 @@ def _lower(step, args, mesh):
   return getattr(lowered, "lowered", lowered).compile()
 
 
-def _footprint(compiled) -> int:
-  m = compiled.memory_analysis()
-  return (
-    m.argument_size_in_bytes
-    + m.temp_size_in_bytes
-    + m.output_size_in_bytes
-    - m.alias_size_in_bytes
-  )
-
-
 def measure(recipe: Recipe, full: bool) -> dict:
   """The recipe's facts, from ``check_step(..., target=...)``'s report
   (`full`: with its floor and plain step)."""
@@ -585,7 +561,7 @@ def measure(recipe: Recipe, full: bool) -> dict:
   }
   if full:
     facts["floor_bytes"] = _program.Program(_floor(recipe)).kernel_bytes()
-    facts["plain_footprint"] = _footprint(_plain(recipe))
+    facts["plain_footprint"] = _common.footprint(_plain(recipe))
   return facts
 
 

@@ -19,8 +19,6 @@ The compilers come from ``make test`` (``.venv/accel``, or the folder in
 
 import json
 import pathlib
-import subprocess
-import sys
 import tempfile
 
 import _common
@@ -189,20 +187,12 @@ REQUESTS = _requests()
 @pytest.fixture(scope="module")
 def facts():
   """Every case compiled once, in a subprocess with the compilers."""
-  env = _common.accel_env()
   with tempfile.TemporaryDirectory() as tmp:
     requests = pathlib.Path(tmp, "requests.json")
     out = pathlib.Path(tmp, "facts.json")
     requests.write_text(json.dumps(REQUESTS))
-    result = subprocess.run(
-      [sys.executable, str(REPO / "tests" / "_accel_worker.py"), requests, out],
-      capture_output=True,
-      text=True,
-      env=env,
-      timeout=900,
-      check=False,
-    )
-    assert result.returncode == 0, result.stderr[-5000:]
+    worker = REPO / "tests" / "_accel_worker.py"
+    _common.run_with_compilers([worker, requests, out])
     return json.loads(out.read_text())
 
 

@@ -26,7 +26,6 @@ import functools
 import json
 import pathlib
 import re
-import subprocess
 import sys
 
 import _common
@@ -871,17 +870,8 @@ def _accelerator_report():
 
 @functools.cache
 def _accelerator_run():
-  env = _common.accel_env()
-  result = subprocess.run(
-    [sys.executable, __file__, "accelerators"],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=600,
-    check=False,
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  return json.loads(result.stdout.strip().splitlines()[-1])
+  stdout = _common.run_with_compilers([__file__, "accelerators"], timeout=600)
+  return _common.last_json_line(stdout)
 
 
 def _records_of(report, name):

@@ -219,15 +219,9 @@ def _run_on_its_own(block: Block, tmp_path: pathlib.Path) -> str:
   """Runs an accelerator block in a process of its own; its stdout."""
   script = tmp_path / "block.py"
   script.write_text(block.code)
-  result = subprocess.run(
-    [sys.executable, str(script)],
-    env=_common.accel_env(),
-    capture_output=True,
-    text=True,
-    timeout=600,
+  return _common.run_with_compilers(
+    [script], timeout=600, what=f"{block.id}:\n"
   )
-  assert result.returncode == 0, f"{block.id}:\n{result.stderr[-4000:]}"
-  return result.stdout
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])

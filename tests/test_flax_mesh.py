@@ -18,9 +18,6 @@ Structure only (``memory_analysis()``, the compiled HLO), never a time:
 """
 
 import functools
-import json
-import subprocess
-import sys
 
 import chex
 import jax
@@ -28,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _common import REPO, accel_env
+from _common import REPO, last_json_line, run_with_compilers
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -213,16 +210,8 @@ def test_a_loss_that_updates_model_state_is_refused():
 def h100x8():
   """The guide's step and its reduced control, compiled for 8 H100s in a
   subprocess with the compilers."""
-  result = subprocess.run(
-    [sys.executable, str(REPO / "tests" / "_flax_mesh_accel_worker.py")],
-    capture_output=True,
-    text=True,
-    env=accel_env(),
-    timeout=900,
-    check=False,
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  return json.loads(result.stdout.strip().splitlines()[-1])
+  worker = REPO / "tests" / "_flax_mesh_accel_worker.py"
+  return last_json_line(run_with_compilers([worker]))
 
 
 def test_h100x8_micro_step_is_the_floor(h100x8):

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 
+import _common
 import jax
 import jax.numpy as jnp
 import optax
@@ -138,16 +139,6 @@ def _compiled(variant, opt, dtype, k):
   return jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile()
 
 
-def _footprint(compiled):
-  m = compiled.memory_analysis()
-  return (
-    m.argument_size_in_bytes
-    + m.temp_size_in_bytes
-    + m.output_size_in_bytes
-    - m.alias_size_in_bytes
-  )
-
-
 def _param_bytes(dtype):
   return LAYERS * WIDTH * WIDTH * jnp.dtype(DTYPES[dtype][0]).itemsize
 
@@ -227,9 +218,9 @@ def test_holding_branch_passes_the_accumulator_through_with_noise_scale(opt):
 
 def _extra_memory_ratio(opt, dtype, k, variant="accumulate"):
   """(footprint - plain footprint) / accumulator bytes, and / param bytes."""
-  extra = _footprint(_compiled(variant, opt, dtype, k)) - _footprint(
-    _compiled("plain", opt, dtype, 1)
-  )
+  extra = _common.footprint(
+    _compiled(variant, opt, dtype, k)
+  ) - _common.footprint(_compiled("plain", opt, dtype, 1))
   return extra / _accumulator_bytes(dtype), extra / _param_bytes(dtype)
 
 
@@ -286,8 +277,8 @@ def test_extra_memory_with_xla_memory_scheduler():
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 def test_noise_scale_adds_no_parameter_sized_memory(opt):
   """Two float32 scalars a micro-step; no buffer (< 1% of the params)."""
-  ours = _footprint(_compiled("accumulate+noise", opt, "f32", 4))
-  base = _footprint(_compiled("accumulate", opt, "f32", 4))
+  ours = _common.footprint(_compiled("accumulate+noise", opt, "f32", 4))
+  base = _common.footprint(_compiled("accumulate", opt, "f32", 4))
   assert ours - base <= 0.01 * _param_bytes("f32"), (
     f"track_noise_scale costs {(ours - base) / _param_bytes('f32'):.3f}x"
     " the param bytes"
@@ -296,8 +287,8 @@ def test_noise_scale_adds_no_parameter_sized_memory(opt):
 
 @pytest.mark.parametrize("opt, dtype, k", MEMORY_CASES)
 def test_footprint_is_at_most_multisteps(opt, dtype, k):
-  ours = _footprint(_compiled("accumulate", opt, dtype, k))
-  theirs = _footprint(_compiled("MultiSteps", opt, dtype, k))
+  ours = _common.footprint(_compiled("accumulate", opt, dtype, k))
+  theirs = _common.footprint(_compiled("MultiSteps", opt, dtype, k))
   assert ours <= theirs, (
     f"accumulate {ours / 2**20:.2f} MB > MultiSteps {theirs / 2**20:.2f} MB"
   )

@@ -13,7 +13,6 @@ H100s, a TPU v5e) plan in a subprocess with their compilers
 import json
 import math
 import pathlib
-import subprocess
 import sys
 
 import _common
@@ -360,14 +359,7 @@ def test_step_must_be_a_function():
 @pytest.fixture(scope="module")
 def target_facts(tmp_path_factory):
   out = tmp_path_factory.mktemp("plan") / "facts.json"
-  result = subprocess.run(
-    [sys.executable, str(REPO / "tests" / "_plan_worker.py"), str(out)],
-    env=_common.accel_env(),
-    capture_output=True,
-    text=True,
-    timeout=900,
-  )
-  assert result.returncode == 0, result.stderr[-4000:]
+  _common.run_with_compilers([REPO / "tests" / "_plan_worker.py", out])
   return json.loads(out.read_text())
 
 
