@@ -168,7 +168,7 @@ def test_an_undonated_nnx_jit_step_names_the_model_and_optimizer():
   assert any("nnx.jit" in p for p in report.problems)
 
 
-def _data_parallel_check(deferred: bool, emit=None):
+def _data_parallel_check(deferred: bool, emit=None, **kwargs):
   """Params replicated, the batch split over 8 CPU devices."""
   from jax.sharding import AxisType, NamedSharding
   from jax.sharding import PartitionSpec as P
@@ -190,7 +190,7 @@ def _data_parallel_check(deferred: bool, emit=None):
   with jax.set_mesh(mesh):
     params = jax.device_put(_problem()[0], NamedSharding(mesh, P()))
     x = jax.device_put(jnp.ones((16, WIDTH)), NamedSharding(mesh, P("data")))
-    return check_step(step, params, tx.init(params), x, emit=emit)
+    return check_step(step, params, tx.init(params), x, emit=emit, **kwargs)
 
 
 def test_a_gradient_reduced_every_micro_step_is_flagged_with_the_fix():
@@ -252,3 +252,74 @@ def test_target_flags_each_planted_recipe(on_targets, plant, flag):
     k for k, f in planted.items() if not any(flag in p for p in f["problems"])
   ]
   assert unflagged == []
+
+
+def _hsdp_check(**kwargs):
+  """HSDP: params sharded over "fsdp" (reduce-scattered on every call, by
+  design), the reduction deferred over "replica"."""
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh(
+    (2, 4), ("replica", "fsdp"), axis_types=(AxisType.Explicit,) * 2
+  )
+  tx = optax_accum.accumulate(optax.adam(1e-3), 4, axis_name="replica")
+
+  def fsdp_loss(params, x):
+    gathered = jax.tree.map(lambda p: jax.sharding.reshard(p, P()), params)
+    return _loss(gathered, x)
+
+  grad_fn = optax_accum.distributed.local_value_and_grad(
+    fsdp_loss, axis_name="replica"
+  )
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, state, x):
+    _, grads = grad_fn(params, x)
+    updates, state = tx.update(grads, state, params)
+    return optax_accum.apply_updates(params, updates, state), state
+
+  with jax.set_mesh(mesh):
+    params = jax.device_put(_problem()[0], NamedSharding(mesh, P("fsdp")))
+    x = jax.device_put(
+      jnp.ones((16, WIDTH)), NamedSharding(mesh, P(("replica", "fsdp")))
+    )
+    return check_step(step, params, tx.init(params), x, **kwargs)
+
+
+def test_hsdp_fsdp_reduction_counts_unless_the_deferred_axis_is_named():
+  """Without `axis_name` the per-call reduce-scatter within a replica is
+  flagged, and the message says to name the deferred axis; with
+  ``axis_name="replica"`` the step passes (its reduction across replicas
+  runs once per cycle)."""
+  flagged = _hsdp_check()
+  assert flagged.reductions, str(flagged)
+  (problem,) = [p for p in flagged.problems if "reduction" in p]
+  assert "check_step(..., axis_name=...)" in problem
+  named = _hsdp_check(axis_name="replica")
+  assert named.reductions == () and named.problems == (), str(named)
+
+
+def test_axis_name_still_flags_a_reduction_across_it():
+  """Naming the axis filters by axis, not away: the undeferred
+  data-parallel step still reduces across "data" on every call."""
+  with pytest.raises(AssertionError, match="reduction"):
+    _data_parallel_assert(axis_name="data")
+
+
+def _data_parallel_assert(**kwargs):
+  report = _data_parallel_check(deferred=False, **kwargs)
+  if report.problems:
+    raise AssertionError(str(report))
+
+
+@pytest.mark.parametrize(
+  "axis_name, error, match",
+  [
+    (3, TypeError, "`axis_name` must be"),
+    ("model", ValueError, "`axis_name` 'model' is not an axis"),
+  ],
+)
+def test_a_bad_axis_name_names_the_argument(axis_name, error, match):
+  with pytest.raises(error, match=match):
+    _data_parallel_check(deferred=False, axis_name=axis_name)

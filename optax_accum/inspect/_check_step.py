@@ -16,7 +16,7 @@ import jax
 
 from optax_accum import _apply, _plan
 from optax_accum._state import AccumulateState, is_accumulate_state
-from optax_accum.inspect import _collectives, _program
+from optax_accum.inspect import _collectives, _hlo, _program
 
 # Copies smaller than this are not reported (a tiny model's counters).
 _MIN_COPY_BYTES = 4096
@@ -39,7 +39,8 @@ class StepReport:
       are not donated (their positions).
     reductions: All-reduces and reduce-scatters of at least half the largest
       accumulator leaf that run on every call (outside the conditional):
-      the gradient reduced on every micro-step.
+      the gradient reduced on every micro-step. With ``axis_name=``, those
+      across that mesh axis only.
     footprint_bytes: The compiled step's memory on one device: arguments,
       outputs and temporaries, less the outputs that reuse (donated)
       argument buffers.
@@ -126,7 +127,11 @@ def _trace_problems(events: list[str]) -> list[str]:
 
 
 def check_step(
-  step: Any, *args: Any, emit: bool | None = None, target: str | None = None
+  step: Any,
+  *args: Any,
+  emit: bool | None = None,
+  target: str | None = None,
+  axis_name: str | tuple[str, ...] | None = None,
 ) -> StepReport:
   """Compiles `step` for `args` and reports what its micro-step does.
 
@@ -144,7 +149,10 @@ def check_step(
     pass ``emit=`` here too;
   * copies of accumulator-sized buffers on the micro-step path;
   * a parameter-sized all-reduce or reduce-scatter on every call (the
-    gradient reduced on every micro-step instead of once per cycle);
+    gradient reduced on every micro-step instead of once per cycle); with
+    `axis_name`, only one across that mesh axis (HSDP reduce-scatters the
+    gradient over ``"fsdp"`` on every call by design: check it with
+    ``axis_name="replica"``);
   * temporary memory above the accumulator's size.
 
   Args:
@@ -159,9 +167,19 @@ def check_step(
       :func:`optax_accum.plan_micro_batch`: arguments without a sharding
       are placed on its devices (argument 2, the batch, split over them).
       Needs the accelerator compilers and ``JAX_PLATFORMS=cpu``.
+    axis_name: None (every per-call reduction counts), or the mesh axis
+      (or axes) the gradient's reduction is deferred over, as given to
+      ``accumulate``: only per-call reductions across it count, as in
+      :func:`assert_reduction_deferred`. The mesh is the one set with
+      ``jax.set_mesh``, else the arguments'.
 
   Returns:
     A :class:`StepReport`; ``print`` it, or use :func:`assert_step`.
+
+  Raises:
+    ValueError: If `args` hold no or several ``AccumulateState``s, `target`
+      is unknown, or `axis_name` is not an axis of the mesh.
+    TypeError: If `axis_name` is not a name or a tuple of names.
 
   Examples:
     >>> import functools, jax, jax.numpy as jnp, optax, optax_accum
@@ -185,13 +203,14 @@ def check_step(
       "`args` must hold exactly one AccumulateState (the optimizer state"
       f" of optax_accum.accumulate), found {len(states)}."
     )
+  _collectives.axis_names(axis_name)  # its type, before compiling
   if target is not None:
     args = _plan.placed(args, _plan.where_to_compile(target, None).mesh)
   with _apply.watching() as events:
     _fresh_trace(step, args)
   lowered = step.lower(*args)
   lowered = getattr(lowered, "lowered", lowered)  # nnx.jit's stage wraps it
-  report = _compiled_facts(lowered, args, *states[0], emit)
+  report = _compiled_facts(lowered, args, *states[0], emit, axis_name)
   problems = _donation_problems(report.undonated) + _trace_problems(events)
   problems += _program_problems(report, events, emit)
   return dataclasses.replace(report, problems=tuple(problems))
@@ -223,7 +242,9 @@ def _fresh_trace(step: Any, args: tuple) -> None:
     jax.jit(fresh, **statics).trace(*args)
 
 
-def _compiled_facts(lowered, args, state_position, state, emit) -> StepReport:
+def _compiled_facts(
+  lowered, args, state_position, state, emit, axis_name
+) -> StepReport:
   """The report's figures, without the problems."""
   compiled = lowered.compile()
   program = _program.Program(compiled)
@@ -238,7 +259,7 @@ def _compiled_facts(lowered, args, state_position, state, emit) -> StepReport:
     copies = tuple(
       f"{k.name}: {k.shape}" for k in program.copies(min_bytes=least)
     )
-    reductions = _reductions(compiled, least)
+    reductions = _reductions(compiled, least, axis_name)
   memory = compiled.memory_analysis()
   footprint = _plan.footprint(memory) if memory is not None else 0
   return StepReport(
@@ -254,15 +275,25 @@ def _compiled_facts(lowered, args, state_position, state, emit) -> StepReport:
   )
 
 
-def _reductions(compiled: Any, min_bytes: int) -> tuple[str, ...]:
-  """Reductions of at least `min_bytes` that run on every call."""
-  return tuple(
-    f"{c.opcode} {c.name}: {c.bytes} bytes"
-    for c in _collectives.collectives(compiled)
+def _reductions(
+  compiled: Any, min_bytes: int, axis_name: Any
+) -> tuple[str, ...]:
+  """Reductions of at least `min_bytes` that run on every call (across
+  `axis_name` only, unless None)."""
+  records = _collectives.collectives(compiled)
+  found = [
+    c
+    for c in records
     if c.opcode in _collectives.REDUCTION_OPCODES
     and c.unconditional
     and c.bytes >= min_bytes
-  )
+  ]
+  if found and axis_name is not None:
+    hlo = _hlo.HloModule(compiled.as_text())
+    axes = _collectives.spanned_axes(records, hlo, compiled, axis_name)
+    names = set(_collectives.axis_names(axis_name))
+    found = [c for c in found if names & set(axes[c])]
+  return tuple(f"{c.opcode} {c.name}: {c.bytes} bytes" for c in found)
 
 
 def _donation_problems(undonated: tuple[int, ...]) -> list[str]:
@@ -296,7 +327,10 @@ def _program_problems(report: StepReport, events, emit) -> list[str]:
       " defer it to the cycle's end with accumulate(..., axis_name=...) and"
       " an unreduced gradient: optax_accum.distributed.local_value_and_grad"
       " under jit (optax_accum.flax.local_value_and_grad for NNX), or the"
-      " params pcast to varying inside shard_map"
+      " params pcast to varying inside shard_map. If the params are"
+      " sharded (FSDP, HSDP), their per-call reduce-scatter is by design:"
+      " pass the axis the reduction is deferred over as"
+      " check_step(..., axis_name=...) so that only it counts"
     )
   acc, temp = report.accumulator_bytes, report.temp_bytes
   if temp > 1.05 * acc and temp > 1 << 20:
@@ -308,10 +342,16 @@ def _program_problems(report: StepReport, events, emit) -> list[str]:
 
 
 def assert_step(
-  step: Any, *args: Any, emit: bool | None = None, target: str | None = None
+  step: Any,
+  *args: Any,
+  emit: bool | None = None,
+  target: str | None = None,
+  axis_name: str | tuple[str, ...] | None = None,
 ) -> None:
   """:func:`check_step`, raising an ``AssertionError`` with the report if
   it found a problem."""
-  report = check_step(step, *args, emit=emit, target=target)
+  report = check_step(
+    step, *args, emit=emit, target=target, axis_name=axis_name
+  )
   if report.problems:
     raise AssertionError(str(report))

@@ -322,7 +322,7 @@ def assert_reduction_deferred(
       f"`min_bytes` must be an int or None; got {type(min_bytes).__name__}:"
       f" {min_bytes!r}"
     )
-  names = _axis_names(axis_name)
+  names = axis_names(axis_name)
   if mesh is not None and not isinstance(
     mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)
   ):
@@ -345,9 +345,7 @@ def assert_reduction_deferred(
   ]
   axes = None
   if names:
-    mesh = _find_mesh(mesh, axis_name, compiled)
-    coordinates = _coordinates(mesh, compiled, hlo)
-    axes = {c: _axes_of(c, mesh, coordinates) for c in records}
+    axes = spanned_axes(records, hlo, compiled, axis_name, mesh)
     reductions = [c for c in reductions if set(names) & set(axes[c])]
   if reductions:
     over = f" across mesh axis {' or '.join(map(repr, names))}" if names else ""
@@ -364,7 +362,7 @@ def assert_reduction_deferred(
   return records
 
 
-def _axis_names(axis_name: Any) -> tuple[str, ...]:
+def axis_names(axis_name: Any) -> tuple[str, ...]:
   """`axis_name` as a tuple of names (empty for None)."""
   if axis_name is None:
     return ()
@@ -386,7 +384,7 @@ def _find_mesh(
 ) -> Any:
   """The mesh `axis_name` names axes of: `mesh`, else the one set with
   ``jax.set_mesh``, else the arguments' (see `assert_reduction_deferred`)."""
-  names = _axis_names(axis_name)
+  names = axis_names(axis_name)
   source = "`mesh`"
   if mesh is None:
     source = "jax.set_mesh"
@@ -473,6 +471,21 @@ def _coordinates(
       f" mesh={mesh!r:.120}"
     )
   return [tuple(map(int, np.unravel_index(i, shape))) for i in range(count)]
+
+
+def spanned_axes(
+  records: list[Collective],
+  hlo: _hlo.HloModule,
+  compiled: jax.stages.Compiled | None,
+  axis_name: Any,
+  mesh: Any = None,
+) -> dict[Collective, tuple[str, ...]]:
+  """The mesh axes each of `records` spans (every axis for a reduction whose
+  groups cannot be read), on `mesh` or the one `_find_mesh` finds for
+  `axis_name`."""
+  mesh = _find_mesh(mesh, axis_name, compiled)
+  coordinates = _coordinates(mesh, compiled, hlo)
+  return {c: _axes_of(c, mesh, coordinates) for c in records}
 
 
 def _axes_of(
