@@ -107,8 +107,11 @@ def _plant_text(code: str, plant: str) -> str:
   return stripped
 
 
-def _run(namespace: dict, block: test_docs.Block, cut: str, plant: str):
-  """Runs `block` (its set-up first) up to `cut`, its first training call."""
+def _run(path: str, marker: str, cut: str, plant: str, namespace=None):
+  """Runs the block of `path` holding `marker` (its set-up first) up to
+  `cut`, its first training call, in `namespace` (default: a new one)."""
+  namespace = {} if namespace is None else namespace
+  block = _block(path, marker)
   if cut not in block.code:
     raise RuntimeError(f"{block.id}: {cut!r} not found: the recipe changed")
   if block.setup:
@@ -243,15 +246,13 @@ def _one_h100(ns, carried, batch, mesh, params, loss, static=False) -> Recipe:
 def readme(plant, dtype, static=False):
   mesh = targets.mesh("h100", (1,), ("data",))
   ns = _run(
-    {},
-    _block("README.md", "def train_step(params, opt_state"),
+    "README.md",
+    "def train_step(params, opt_state",
     "opt_state = tx.init",
     plant,
   )
   if static:
-    _run(
-      ns, _block("README.md", "def static_step("), "opt_state = tx.init", plant
-    )
+    _run("README.md", "def static_step(", "opt_state = tx.init", plant, ns)
   params = {"w": _sds(mesh, (LINEAR, LINEAR), dtype)}
   state = _placed(jax.eval_shape(ns["tx"].init, params), mesh)
   batch = _masked_batch(mesh, dtype, LINEAR, ROWS)
@@ -263,18 +264,13 @@ def nnx_guide(plant, dtype, static=False):
   mesh = targets.mesh("h100", (1,), ("data",))
   path = "examples/README.md"
   ns = _run(
-    {},
-    _block(path, "def train_step(model, optimizer, batch)"),
+    path,
+    "def train_step(model, optimizer, batch)",
     "for batch in",
     plant,
   )
   if static:
-    _run(
-      ns,
-      _block(path, "def static_step(model, optimizer"),
-      "for i, batch in",
-      plant,
-    )
+    _run(path, "def static_step(model, optimizer", "for i, batch in", plant, ns)
   tx = ns["optimizer"].tx
 
   def make():
@@ -290,8 +286,8 @@ def nnx_guide(plant, dtype, static=False):
 def linen_guide(plant, dtype):
   mesh = targets.mesh("h100", (1,), ("data",))
   ns = _run(
-    {},
-    _block("examples/README.md", "def train_step(state, batch)"),
+    "examples/README.md",
+    "def train_step(state, batch)",
     "for batch in",
     plant,
   )
@@ -317,8 +313,8 @@ def linen_guide(plant, dtype):
 def nnx_data_parallel(plant, dtype):
   mesh = targets.mesh("h100x8", (8,), ("data",), explicit=True)
   ns = _run(
-    {},
-    _block("examples/README.md", "def dp_step("),
+    "examples/README.md",
+    "def dp_step(",
     "with jax.set_mesh(mesh):\n  sharded",
     plant,
   )
@@ -370,8 +366,8 @@ def _linear_dp(mesh, dtype):
 def jit_unreduced(plant, dtype):
   mesh = targets.mesh("h100x8", (8,), ("data",), explicit=True)
   ns = _run(
-    {},
-    _block("examples/README.md", "grads: each device's share, typed"),
+    "examples/README.md",
+    "grads: each device's share, typed",
     "with jax.set_mesh(mesh):",
     plant,
   )
@@ -400,8 +396,8 @@ def jit_unreduced(plant, dtype):
 def shard_map(plant, dtype):
   with _target_make_mesh("h100x8"):
     ns = _run(
-      {},
-      _block("examples/README.md", "def local_step(params, opt_state"),
+      "examples/README.md",
+      "def local_step(params, opt_state",
       "opt_state = init(params)",
       plant,
     )
