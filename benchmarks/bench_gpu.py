@@ -84,7 +84,7 @@ from _common import (
   tree_bytes,
 )
 from _models import make_problem
-from _static import LEARNING_RATE, Static, prepare_floor
+from _static import LEARNING_RATE, prepare_floor, static_train_step
 
 import optax_accum
 
@@ -341,12 +341,12 @@ class Stepper:
   """A variant ready to run: `call(emit)` dispatches one call (micro-step
   or emitting step), `block()` waits for everything it holds."""
 
-  def __init__(self, programs, values, inputs, check_emit: bool):
-    self.programs, self.values, self.inputs = programs, values, inputs
+  def __init__(self, calls, values, inputs, check_emit: bool):
+    self.calls, self.values, self.inputs = calls, values, inputs
     self.check_emit = check_emit
 
   def call(self, emit: bool) -> None:
-    out = self.programs[emit](*self.values, *self.inputs)
+    out = self.calls[emit](*self.values, *self.inputs)
     self.values = tuple(out[:2])
 
   def block(self) -> None:
@@ -405,52 +405,36 @@ class Variants:
         inner(), every_k_schedule=self.k
       ).gradient_transformation(),
     }
-    self.programs, self.memory, self.compile_s = {}, {}, {}
-
-    def compiled(name, make):
+    # Per variant: {emit: the jitted callable a call makes}. Each is
+    # compiled ahead (`lower(...).compile()`: its time and memory); the
+    # jitted call then finds that executable in JAX's cache, and is the
+    # call a training loop makes (JAX's C++ dispatch path).
+    self.calls, self.memory, self.compile_s = {}, {}, {}
+    static = static_step(loss, self.txs["static"])
+    steps = {
+      "floor": (static_train_step(grad_fn, self.txs["floor"]), (batch,), True),
+      "plain": (plain_step(loss, self.txs["plain"]), (batch,), False),
+      "MultiSteps": (plain_step(loss, self.txs["MultiSteps"]), (batch,), False),
+      "ours": (quickstart_step(loss, self.txs["ours"]), (batch, w), False),
+      "static": (static, (batch, w), True),
+    }
+    for name, (step, inputs, two) in steps.items():
+      state = jax.eval_shape(self.txs[name].init, p)
       start = time.perf_counter()
-      programs = make()  # {emit: program}, one program for both or two
+      emits = (False, True) if two else (False,)
+      compiled = [
+        step.lower(p, state, *inputs, **({"emit": e} if two else {})).compile()
+        for e in emits
+      ]
       self.compile_s[name] = time.perf_counter() - start
-      unique = list({id(prog): prog for prog in programs.values()}.values())
-      clock.compiles.append(self.compile_s[name] / len(unique))
-      self.programs[name] = programs
+      clock.compiles.append(self.compile_s[name] / len(compiled))
       self.memory[name] = max(
-        (memory_of(prog) for prog in unique), key=lambda m: m["footprint"]
+        (memory_of(c) for c in compiled), key=lambda m: m["footprint"]
       )
-
-    def state(name):
-      return jax.eval_shape(self.txs[name].init, p)
-
-    def one(name, step, *inputs):
-      prog = step.lower(p, state(name), *inputs).compile()
-      return {False: prog, True: prog}
-
-    name = "floor"
-
-    def floor():
-      static = Static(
-        grad_fn, self.txs["floor"], self.k, p, state("floor"), batch
-      )
-      return dict(zip((False, True), static.programs, strict=True))
-
-    compiled(name, floor)
-    for name, step in (
-      ("plain", plain_step(loss, self.txs["plain"])),
-      ("MultiSteps", plain_step(loss, self.txs["MultiSteps"])),
-    ):
-      compiled(name, lambda name=name, step=step: one(name, step, batch))
-    name = "ours"
-    ours = quickstart_step(loss, self.txs[name])
-    compiled(name, lambda: one("ours", ours, batch, w))
-    name = "static"
-    static = static_step(loss, self.txs[name])
-    compiled(
-      name,
-      lambda: {
-        emit: static.lower(p, state("static"), batch, w, emit=emit).compile()
-        for emit in (False, True)
-      },
-    )
+      self.calls[name] = {
+        e: functools.partial(step, emit=e) if two else step
+        for e in (False, True)
+      }
     self.nnx_step = nnx_step_for(loss)
     # nnx.jit compiles on the first call: `warm_nnx` makes that call.
     self.memory["nnx"] = None
@@ -473,7 +457,7 @@ class Variants:
     if name in ("ours", "static"):
       inputs += (self.weight,)
     return Stepper(
-      self.programs[name],
+      self.calls[name],
       (params, state),
       inputs,
       check_emit=name in ("ours", "static"),
@@ -1115,7 +1099,10 @@ def run_step_section(section, configs, args, clock, results, reserve_s):
 
 
 def log_config(r: dict[str, Any]) -> None:
-  ratios = r.get("ratios") or {}
+  """One line of a configuration's headline figures (if it has them)."""
+  if "times_ms" not in r or not r.get("ratios"):
+    return
+  ratios = r["ratios"]
   mvf = ratios.get("micro_vs_floor", {})
 
   def med(s):
