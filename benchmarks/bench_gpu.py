@@ -361,9 +361,9 @@ class Stepper:
 class NnxStepper:
   """The NNX drop-in: model and optimizer updated in place by nnx.jit."""
 
-  def __init__(self, step, model, optimizer, inputs):
+  def __init__(self, step, model, optimizer, inputs, k: int):
     self.step, self.model, self.optimizer = step, model, optimizer
-    self.inputs = inputs
+    self.inputs, self.k = inputs, k
 
   def call(self, emit: bool) -> None:
     del emit  # the device decides, as in the quick start
@@ -375,7 +375,9 @@ class NnxStepper:
     jax.block_until_ready((nnx.state(self.model), nnx.state(self.optimizer)))
 
   def emitted(self) -> bool:
-    return bool(self.optimizer.optimizer_step > 0)
+    """Whether every cycle so far ended with an optimizer step."""
+    steps = int(self.optimizer.optimizer_step)
+    return steps > 0 and steps * self.k == int(self.optimizer.step[...])
 
 
 class Variants:
@@ -450,7 +452,11 @@ class Variants:
       )
       commit(model, optimizer)
       return NnxStepper(
-        self.nnx_step, model, optimizer, (self.problem.batch, self.weight)
+        self.nnx_step,
+        model,
+        optimizer,
+        (self.problem.batch, self.weight),
+        self.k,
       )
     state = self.txs[name].init(params)
     inputs = (self.problem.batch,)
@@ -872,8 +878,9 @@ class LmMethod:
     )
 
 
-def measure_lm(model_name: str, args, clock: Clock, record) -> list[dict]:
-  """Tokens/s of ours and MultiSteps at every k of --lm-ks."""
+def measure_lm(model_name: str, args, clock: Clock, results: list, record):
+  """Tokens/s of ours and MultiSteps at every k of --lm-ks, each entry
+  appended to `results` as soon as it starts (`record` saves)."""
   Config, pipeline, models = lm_imports()
   shape = LM_MODELS[model_name]
   steps = 2 + args.lm_rounds * args.lm_steps  # 2 to warm up
@@ -884,17 +891,26 @@ def measure_lm(model_name: str, args, clock: Clock, record) -> list[dict]:
   need = 2 * clock.compile_s(lm=True) + 2 * args.lm_rounds * 1.0
   if clock.left() < need:  # not even the data
     why = f"budget: {clock.left():.0f} s left, needs ~{need:.0f}"
-    return [{"model": model_name, "k": k, "skipped": why} for k in args.lm_ks]
+    results += [
+      {"model": model_name, "k": k, "skipped": why} for k in args.lm_ks
+    ]
+    return
   start = time.perf_counter()
-  files = pipeline.stdlib_files()
+  files, source = pipeline.stdlib_files(), "stdlib"
+  if len(files) < 64:  # an image without the stdlib's sources: jax's own
+    files = sorted(pathlib.Path(jax.__file__).parent.rglob("*.py"))
+    source = "jax package"
   data = pipeline.load_data(
     config(max(args.lm_ks)), files=files[: max(64, len(files) // 4)]
   )
-  log(f"  {model_name}: data in {time.perf_counter() - start:.1f} s")
-  results = []
+  log(
+    f"  {model_name}: data ({source}, {len(files)} files) in"
+    f" {time.perf_counter() - start:.1f} s"
+  )
   for k in args.lm_ks:
-    entry = {"model": model_name, "k": k, **shape}
+    entry = {"model": model_name, "k": k, "data": source, **shape}
     results.append(entry)
+    record()
     need = 2 * clock.compile_s(lm=True) + 2 * args.lm_rounds * 1.0
     if clock.left() < need:
       entry["skipped"] = f"budget: {clock.left():.0f} s left, needs ~{need:.0f}"
@@ -918,7 +934,6 @@ def measure_lm(model_name: str, args, clock: Clock, record) -> list[dict]:
       f" {fmt(entry['ours']['tokens_per_s']['median'], 0)} tok/s, MultiSteps"
       f" {fmt(entry['MultiSteps']['tokens_per_s']['median'], 0)} tok/s"
     )
-  return results
 
 
 def time_lm(batches, cfg, k: int, models, args, clock: Clock) -> dict:
@@ -1183,7 +1198,7 @@ def run_lm_section(args, clock: Clock, results: Results) -> None:
   for model_name in args.lm_models:
     log(f"lm {model_name} (k in {args.lm_ks}), {clock.left():.0f} s left")
     try:
-      results.payload["lm"] += measure_lm(model_name, args, clock, results.save)
+      measure_lm(model_name, args, clock, results.payload["lm"], results.save)
     except Exception as exc:  # noqa: BLE001  (recorded; the next model runs)
       results.error(f"lm {model_name}", exc)
     finally:
@@ -1229,11 +1244,14 @@ def render_markdown(payload: dict[str, Any]) -> str:
     f" {m.get('flax', '?')}, optax_accum {m.get('optax_accum', '?')}, python"
     f" {m.get('python', '?')}. k={a.get('k')}, {a.get('micro_batch')} rows"
     f" per micro-batch; medians over rounds (min-max); every ratio paired"
-    f" by round in the same run. Run took {payload.get('elapsed_s', 0):.0f} s"
-    f" of a {a.get('budget_s', 0):.0f} s budget (estimated"
-    f" {est.get('total_s', 0):.0f} s)"
-    + ("" if payload.get("complete") else "; INCOMPLETE (cut short)")
-    + ".",
+    f" by round in the same run. "
+    + (
+      f"Run took {payload.get('elapsed_s', 0):.0f} s of a"
+      f" {a.get('budget_s', 0):.0f} s budget (estimated"
+      f" {est.get('total_s', 0):.0f} s)."
+      if payload.get("complete")
+      else "INCOMPLETE: the run was cut short; what it finished is below."
+    ),
     "",
     "## Micro-step and emitting step",
     "",
@@ -1313,7 +1331,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
       for r in steps
     ]
     lines += [markdown_table(header, rows).rstrip("\n"), ""]
-  lm = [e for e in payload.get("lm", []) if "ours" in e]
+  lm = [e for e in payload.get("lm", []) if "ours_vs_multisteps" in e]
   lines += ["## LM demo: tokens/s", ""]
   if lm:
     header = [
@@ -1350,6 +1368,16 @@ def render_markdown(payload: dict[str, Any]) -> str:
     for e in payload.get("lm", [])
     if "skipped" in e
   ]
+  problems += [
+    f"- step {r['optimizer']} {r['dtype']} {r['size_mb']:g} MB: did not finish"
+    for r in payload.get("step", [])
+    if "ratios" not in r and "error" not in r
+  ]
+  problems += [
+    f"- LM {e['model']} k={e['k']}: did not finish"
+    for e in payload.get("lm", [])
+    if "ours_vs_multisteps" not in e and "skipped" not in e
+  ]
   if problems:
     lines += ["## Skipped and failed", "", *problems, ""]
   return "\n".join(lines).rstrip("\n") + "\n"
@@ -1379,7 +1407,7 @@ def render_figure(payload: dict[str, Any]):
   )
   ax_step.set_ylabel("micro-step / floor")
   ax_step.legend(fontsize=7)
-  lm = [e for e in payload.get("lm", []) if "ours" in e]
+  lm = [e for e in payload.get("lm", []) if "ours_vs_multisteps" in e]
   for i, name in enumerate(("ours", "MultiSteps")):
     ax_lm.bar(
       np.arange(len(lm)) + i * 0.4,

@@ -344,3 +344,20 @@ def test_spread_has_the_quartiles(bench_gpu):
   assert (s["median"], s["min"], s["max"], s["n"]) == (2.5, 1.0, 4.0, 4)
   assert math.isclose(s["q1"], 1.75) and math.isclose(s["q3"], 3.25)
   assert bench_gpu.paired([2.0, 6.0], [1.0, 2.0])["median"] == 2.5
+
+
+def test_a_run_cut_short_renders_what_it_finished(smoke, bench_gpu):
+  """What a timeout leaves (the JSON as last saved) still renders."""
+  payload = json.loads((smoke[0] / "bench_gpu.json").read_text())
+  payload["complete"] = False
+  del payload["elapsed_s"]
+  payload["step"].append(
+    {"optimizer": "adam", "dtype": "float32", "size_mb": 2048.0, "k": 8}
+  )
+  payload["lm"].append({"model": "gpu", "k": 8})
+  page = bench_gpu.render_markdown(payload)
+  assert "INCOMPLETE" in page
+  assert "- step adam float32 2048 MB: did not finish" in page
+  assert "- LM gpu k=8: did not finish" in page
+  assert "| adam, float32, 0.0625 MB |" in page  # the finished ones stay
+  bench_gpu.render_figure(payload)
