@@ -1085,7 +1085,11 @@ def run_step_section(section, configs, args, clock, results, reserve_s):
       )
       continue
     log(f"step {label} (k={args.k}), {clock.left():.0f} s left")
-    entry: dict[str, Any] = {}
+    entry: dict[str, Any] = {
+      "optimizer": optimizer,
+      "dtype": dtype,
+      "size_mb": size_mb,
+    }
 
     def record(partial=None, entry=entry):
       if partial is not None and partial is not entry:

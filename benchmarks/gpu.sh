@@ -30,7 +30,7 @@ export PYTHONUNBUFFERED=1
 # XLA preallocates 75% of the GPU by default; the largest configuration
 # keeps every variant's state alive at once (interleaved rounds), so give
 # the allocator nearly all of it.
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94}
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-1}
 
 log="$out/bench_gpu.log"

@@ -211,7 +211,12 @@ def test_a_failing_configuration_is_recorded_and_the_run_goes_on(
     "step clip_adamw bfloat16 0.0625 MB",
   ]
   assert "RESOURCE_EXHAUSTED" in payload["step"][0]["error"]
-  assert payload["step"][2] == {"planted": True}
+  assert payload["step"][2] == {
+    "optimizer": "adam",
+    "dtype": "float32",
+    "size_mb": 0.25,
+    "planted": True,
+  }
   page = bench_gpu.render_markdown(payload)
   assert "error in step adam float32 0.0625 MB: RuntimeError" in page
 
