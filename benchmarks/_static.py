@@ -51,24 +51,29 @@ def prepare_floor(inner, k: int) -> optax.GradientTransformation:
   return optax.GradientTransformation(init, update)
 
 
+def static_train_step(grad_fn, tx):
+  """``jit(grad -> update(..., emit=) -> apply)``, params and state donated,
+  `emit` static: ``optax.apply_updates`` for the floor (whose micro-step
+  returns no updates), ``optax_accum.apply_updates`` for the others."""
+
+  def step(params, state, batch, emit):
+    updates, state = tx.update(grad_fn(params, batch), state, params, emit=emit)
+    if isinstance(state, FloorState):  # the floor applies its own
+      if updates is not None:
+        params = optax.apply_updates(params, updates)
+      return params, state
+    return optax_accum.apply_updates(params, updates, state), state
+
+  return jax.jit(step, donate_argnums=(0, 1), static_argnames="emit")
+
+
 class Static:
   """The static cycle's step: two compiled programs, ``emit=False`` and
-  ``emit=True``, picked on the host by a call counter (every k-th call
-  emits), each ``grad -> update(..., emit=) -> apply``, params and state
-  donated. Its memory is the larger program's."""
+  ``emit=True`` (`static_train_step`), picked on the host by a call
+  counter (every k-th call emits). Its memory is the larger program's."""
 
   def __init__(self, grad_fn, tx, k: int, params, state, batch):
-    def step(params, state, batch, emit):
-      updates, state = tx.update(
-        grad_fn(params, batch), state, params, emit=emit
-      )
-      if isinstance(state, FloorState):  # the floor applies its own
-        if updates is not None:
-          params = optax.apply_updates(params, updates)
-        return params, state
-      return optax_accum.apply_updates(params, updates, state), state
-
-    jitted = jax.jit(step, donate_argnums=(0, 1), static_argnames="emit")
+    jitted = static_train_step(grad_fn, tx)
     self.programs = [
       jitted.lower(params, state, batch, emit=emit).compile()
       for emit in (False, True)
