@@ -75,10 +75,71 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum import _checks
+from optax_accum import _accumulate, _checks, _every_k
 from optax_accum._state import AccumulateState, find_state
 
-__all__ = ("check_restored", "from_multisteps", "to_multisteps")
+__all__ = (
+  "check_restored",
+  "from_multisteps",
+  "restore_target",
+  "to_multisteps",
+)
+
+
+def restore_target(
+  tx: optax.GradientTransformation,
+  params: optax.Params,
+  *,
+  accumulator_dtype: Any = jnp.float32,
+) -> optax.MultiStepsState:
+  """The target to restore a checkpoint of the ``MultiSteps`` run into.
+
+  The ``optax.MultiStepsState`` that ``optax.MultiSteps(inner, k).init``
+  gives for the ``inner`` optimizer `tx` wraps, with ``skip_state`` the
+  one of ``should_skip_update_fn=optax.skip_not_finite`` when `tx` has
+  ``skip_nonfinite=True``: the tree, shapes and dtypes a ``MultiSteps``
+  checkpoint was saved with, without a copy of the old optimizer's
+  construction. Restore into it, then convert with
+  :func:`from_multisteps`.
+
+  Args:
+    tx: The transformation :func:`optax_accum.accumulate` returned (not a
+      chain around it; pass the accumulate part, or build the target with
+      the old optimizer).
+    params: The params (the tree ``tx.init`` takes).
+    accumulator_dtype: The ``MultiSteps`` argument of the same name
+      (float32, its default; ``None``: the params' dtype).
+
+  Returns:
+    An ``optax.MultiStepsState`` of zeros and the inner optimizer's
+    initial state.
+
+  Raises:
+    TypeError: If `tx` is not a transformation ``accumulate`` returned.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, optax_accum
+    >>> from optax_accum import multisteps
+    >>> params = jnp.zeros(2)
+    >>> old = optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
+    >>> _, saved = old.update(jnp.array([2.0, 4.0]), old.init(params), params)
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
+    >>> target = multisteps.restore_target(tx, params)
+    >>> restored = jax.tree.unflatten(  # your checkpointer's restore
+    ...   jax.tree.structure(target), jax.tree.leaves(saved))
+    >>> state = multisteps.from_multisteps(restored, tx.init(params))
+    >>> print(state.micro_step, state.acc_grads)
+    1 [2. 4.]
+  """
+  config = _accumulate.config_of(tx, "restore_target")
+  skip = optax.skip_not_finite if config.skip_nonfinite else None
+  old = optax.MultiSteps(
+    config.inner(_every_k.first(config.every_k)),
+    every_k_schedule=1,  # `init` does not read k
+    accumulator_dtype=accumulator_dtype,
+    should_skip_update_fn=skip,
+  )
+  return old.init(params)
 
 
 def _check_multisteps_state(ms_state: Any) -> None:
@@ -228,16 +289,39 @@ def _replace_state(target: Any, old: AccumulateState, new: AccumulateState):
   )
 
 
-def check_restored(opt_state: Any) -> None:
-  """Raises if `opt_state` looks like a ``MultiSteps`` checkpoint restored
-  into a fresh ``accumulate`` target (a non-zero ``acc_grads`` with no
-  cycle under way), naming :func:`from_multisteps`; a state that ``update``
-  left passes. Call it after a restore when the train step is jitted from
-  its first call (``update`` checks eagerly by itself).
+def check_restored(opt_state: Any, *, calls: Any = None) -> None:
+  """Raises if `opt_state` looks like a checkpoint with no ``accumulate``
+  state (an ``optax.MultiSteps`` one) restored into a fresh ``accumulate``
+  target, naming :func:`from_multisteps`; a state that ``update`` left
+  passes. Call it once after every restore while a run switches, wherever
+  no code of this package runs at restore time (a bare state restored by
+  hand, Orbax, ``nnx.update``): a step jitted from its first call cannot
+  check without a cost on every micro-step.
+
+  Without `calls`, it catches a checkpoint saved mid-cycle (a non-zero
+  ``acc_grads`` with fresh counters, which no call leaves); with the
+  trainer's own count of calls restored beside it (``TrainState.step``,
+  ``nnx.Optimizer.step``), also one saved at a cycle boundary (fresh
+  counters though the run had made calls).
+
+  Args:
+    opt_state: The restored optimizer state (holding one
+      ``AccumulateState``).
+    calls: The number of ``update`` calls the checkpointed run had made, as
+      restored with it; None if the trainer keeps none.
+
+  Raises:
+    ValueError: Naming :func:`from_multisteps`, see above.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
     >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
     >>> optax_accum.multisteps.check_restored(tx.init(jnp.zeros(2)))
+    >>> try:
+    ...   optax_accum.multisteps.check_restored(tx.init(jnp.zeros(2)), calls=6)
+    ... except ValueError as e:
+    ...   print(str(e)[:60])
+    The opt_state restored holds an accumulate state with a fres
   """
-  _checks.not_a_foreign_restore(find_state(opt_state, "check_restored"))
+  find_state(opt_state, "check_restored")
+  _checks.not_restored_from_elsewhere(opt_state, calls, "opt_state")
