@@ -21,10 +21,17 @@ Arguments and methods::
     optax.skip_not_finite           predicate)
   accumulator_dtype=                accumulator_dtype= (None: the
                                     gradient's dtype)
-  .gradient_transformation()        the transformation itself
+  .gradient_transformation()        the transformation itself (on an
+                                    accumulate it raises AttributeError:
+                                    'GradientTransformationExtraArgs' object
+                                    has no attribute 'gradient_transformation':
+                                    drop the call)
   .has_updated(state)               optax_accum.has_updated(state): False
                                     on a dropped micro-batch and on a cycle
-                                    of total weight 0
+                                    of total weight 0 (tx.has_updated raises
+                                    the same bare AttributeError)
+  optax.MultiStepsState (type       optax_accum.AccumulateState
+    annotations)
 
 State fields (reading a ``MultiStepsState`` name from an
 ``AccumulateState`` raises an ``AttributeError`` naming the equivalent)::
@@ -39,34 +46,59 @@ State fields (reading a ``MultiStepsState`` name from an
                                     on every backend)
   skip_state                        num_skipped (a count over the run)
 
-Checkpoints. A ``MultiSteps`` checkpoint does not restore into an
-``accumulate`` target: the field names differ, and Orbax,
-``flax.serialization.from_state_dict`` and
-``flax.training.checkpoints.restore_checkpoint`` raise a structure error.
-To switch a run mid-training, restore with the *old* optimizer's target,
-convert, and go on::
+Checkpoints. A ``MultiSteps`` checkpoint does not fit an ``accumulate``
+target (other field names; ``acc_grads`` a mean, not a sum). Restore it
+into :func:`restore_target`, built from the ``accumulate`` transformation
+itself (no copy of the old optimizer's construction), then convert; the
+run goes on where it stopped, mid-cycle too::
 
-  old = optax.MultiSteps(inner, every_k_schedule=k)
   tx = optax_accum.accumulate(inner, every_k=k)
-  ms_state = checkpointer.restore(path, old.init(params))
-  state = optax_accum.multisteps.from_multisteps(ms_state, tx.init(params))
+  ms_state = checkpointer.restore(path, restore_target(tx, params))
+  state = from_multisteps(ms_state, tx.init(params))
 
-:func:`to_multisteps` goes back. A restore that instead fills the fields a
-``MultiSteps`` checkpoint lacks from a fresh ``accumulate`` target (a
-lenient restorer, or a hand-merged state dict) leaves ``acc_grads`` holding
-``MultiSteps``' running mean beside a fresh counter: ``update`` then raises
-an error naming :func:`from_multisteps` (checked where the state's values
-are concrete, i.e. outside ``jit``; Orbax's ``partial_restore=True`` is such
-a restore). A step jitted from its first call is not checked: call
-:func:`check_restored` on the restored state. A checkpoint saved at a cycle boundary
-holds nothing that tells the two apart (zeros in ``acc_grads``): restore it
-with the old target as above.
+:func:`to_multisteps` goes back. Restored the old way, into an
+``accumulate`` target, each route does this (``tests/test_restores.py``):
 
-Places that change in a trainer: the optimizer's construction; every script
-that rebuilds it to restore (restore with ``MultiSteps`` once, convert, then
-save and restore ``accumulate`` states from then on); ``.has_updated`` ->
-``optax_accum.has_updated``; reads of ``mini_step``, ``gradient_step`` and
-``inner_opt_state``; the apply step (``optax_accum.apply_updates``).
+* Orbax ``StandardCheckpointer().restore(path, target)``: Orbax raises its
+  own error ("User-provided restore item and on-disk value metadata tree
+  structures do not match", or on some trees "The truth value of an array
+  with more than one element is ambiguous" from its diff formatter).
+* Orbax ``partial_restore=True``: silent. The fields the file lacks come
+  from the fresh target: a reset inner state, ``MultiSteps``' mean taken as
+  a sum. No code of this package runs there.
+* ``flax.training.checkpoints.restore_checkpoint(dir, target=state)`` and
+  ``flax.serialization.from_state_dict`` / ``from_bytes`` with ``state`` an
+  ``optax_accum.flax.TrainState`` or a subclass: a ``ValueError`` naming
+  :func:`restore_target` and :func:`from_multisteps`, raised by the restore
+  (the ``TrainState`` checks what it restored, once; the training step pays
+  nothing). With flax's own ``TrainState``, ``restore_checkpoint`` is
+  silent (it fills the missing fields from the target, as
+  ``partial_restore``) and ``flax.serialization`` raises flax's "The field
+  names of the state dict and the named tuple do not match".
+* equinox ``tree_deserialise_leaves(path, like)``: equinox's
+  ``TreePathError`` (a leaf path through ``inner_state``) or ``EOFError: No
+  data left in file``.
+* NNX, Orbax into ``nnx.state(optimizer)`` then ``nnx.update``: strict,
+  Orbax's error; with ``partial_restore=True``, silent (no code of this
+  package runs in ``nnx.update``). Restore instead into ``nnx.Optimizer(model,
+  equivalent(tx).gradient_transformation(), wrt=...)`` (the old layout,
+  built from ``tx``) and convert its ``nnx.as_pure(opt_state)``.
+
+So during a switch, call :func:`check_restored` once after every restore
+that no code of this package runs in, with the trainer's own count of calls
+(``check_restored(opt_state, calls=state.step)``): it raises naming
+:func:`from_multisteps` on a state filled from a fresh target. The first
+eager ``update`` refuses a mid-cycle one too, but a step jitted or
+``pmap``-ped from its first call is not checked (that would cost a pass
+over the accumulator on every micro-step).
+
+Places that change in a trainer: the optimizer's construction; the step's
+type annotations (``optax.MultiStepsState`` -> ``AccumulateState``); every
+restore of an old checkpoint (into :func:`restore_target` once, convert,
+then save and restore ``accumulate`` states from then on);
+``.has_updated`` -> ``optax_accum.has_updated``; reads of ``mini_step``,
+``gradient_step`` and ``inner_opt_state``; the apply step
+(``optax_accum.apply_updates``).
 """
 
 from typing import Any
@@ -80,6 +112,7 @@ from optax_accum._state import AccumulateState, find_state
 
 __all__ = (
   "check_restored",
+  "equivalent",
   "from_multisteps",
   "restore_target",
   "to_multisteps",
@@ -131,15 +164,45 @@ def restore_target(
     >>> print(state.micro_step, state.acc_grads)
     1 [2. 4.]
   """
-  config = _accumulate.config_of(tx, "restore_target")
-  skip = optax.skip_not_finite if config.skip_nonfinite else None
-  old = optax.MultiSteps(
-    config.inner(_every_k.first(config.every_k)),
-    every_k_schedule=1,  # `init` does not read k
+  return _equivalent(tx, "restore_target", accumulator_dtype).init(params)
+
+
+def equivalent(
+  tx: optax.GradientTransformation, *, accumulator_dtype: Any = jnp.float32
+) -> optax.MultiSteps:
+  """The ``optax.MultiSteps`` that `tx` takes the place of.
+
+  Built from the ``accumulate`` transformation's own arguments, following
+  the table above: its ``inner`` optimizer, ``every_k`` (its first value
+  when ``every_k`` is a schedule or a controller), ``use_grad_mean`` from
+  ``reduction`` and ``should_skip_update_fn=optax.skip_not_finite`` from
+  ``skip_nonfinite=True``. Its ``init(params)`` is :func:`restore_target`;
+  wrap it where a trainer holds the optimizer, e.g. ``nnx.Optimizer(model,
+  equivalent(tx), wrt=nnx.Param)``, to get the layout a ``MultiSteps``
+  checkpoint of that trainer was saved with.
+
+  Args:
+    tx: The transformation :func:`optax_accum.accumulate` returned.
+    accumulator_dtype: The ``MultiSteps`` argument of the same name.
+
+  Raises:
+    TypeError: If `tx` is not a transformation ``accumulate`` returned.
+  """
+  return _equivalent(tx, "equivalent", accumulator_dtype)
+
+
+def _equivalent(tx: Any, reader: str, accumulator_dtype: Any):
+  config = _accumulate.config_of(tx, reader)
+  k = _every_k.first(config.every_k)
+  return optax.MultiSteps(
+    config.inner(k),
+    every_k_schedule=int(k),
+    use_grad_mean=config.reduction == "mean",
     accumulator_dtype=accumulator_dtype,
-    should_skip_update_fn=skip,
+    should_skip_update_fn=optax.skip_not_finite
+    if config.skip_nonfinite
+    else None,
   )
-  return old.init(params)
 
 
 def _check_multisteps_state(ms_state: Any) -> None:

@@ -337,6 +337,24 @@ def test_linen_checkpoint_is_refused_then_comes_in_with_one_call(
   assert _far(switched.params, _params()) > 1e-2
 
 
+@pytest.mark.parametrize("switch", SWITCHES.values(), ids=SWITCHES)
+def test_flax_own_train_state_restores_silently_check_restored_tells(
+  tmp_path, switch
+):
+  """No code of ours runs when the target is flax's own TrainState: the
+  restore fills the missing fields from the target, silently (as the guide
+  says); `check_restored` with the restored step catches it."""
+  checkpoints.save_checkpoint(
+    tmp_path, _old_state(train_state.TrainState, switch), switch
+  )
+  state = _new_state(train_state.TrainState, pmapped=False)
+  restored = checkpoints.restore_checkpoint(tmp_path, target=state)
+  assert int(restored.step) == switch
+  assert int(restored.opt_state.micro_step) == 0  # the fresh target's
+  with pytest.raises(ValueError, match=FROM_MULTISTEPS):
+    multisteps.check_restored(restored.opt_state, calls=restored.step)
+
+
 @pytest.mark.parametrize("kind", STATES)
 @pytest.mark.parametrize("switch", SWITCHES.values(), ids=SWITCHES)
 def test_flax_serialization_into_a_train_state_names_the_converter(
@@ -424,3 +442,46 @@ def test_nnx_partial_restore_then_update_is_caught_by_check_restored(
   nnx.update((model, optimizer), state)
   with pytest.raises(ValueError, match=FROM_MULTISTEPS):
     multisteps.check_restored(optimizer.opt_state, calls=optimizer.step)
+
+
+@pytest.mark.parametrize("switch", SWITCHES.values(), ids=SWITCHES)
+def test_nnx_checkpoint_comes_in_through_the_equivalent_optimizer(
+  tmp_path, switch
+):
+  """The NNX recipe of the guide: restore into an nnx.Optimizer around
+  `multisteps.equivalent(tx)` (the old layout, built from tx), convert its
+  state into the drop-in; the run resumes within 1e-6."""
+  model = _nnx_model()
+  unswitched = nnx.Optimizer(model, _old(), wrt=nnx.Param)
+  _nnx_run(model, unswitched, range(CALLS))
+  unswitched = nnx.state(model, nnx.Param)
+  model = _nnx_model()
+  optimizer = nnx.Optimizer(model, _old(), wrt=nnx.Param)
+  _nnx_run(model, optimizer, range(switch))
+  _orbax_save(
+    tmp_path / "ckpt", nnx.to_pure_dict(nnx.state((model, optimizer)))
+  )
+
+  model, tx = _nnx_model(), _new()  # the switched code starts here
+  old = nnx.Optimizer(
+    model, multisteps.equivalent(tx).gradient_transformation(), wrt=nnx.Param
+  )
+  state = nnx.state((model, old))
+  restored = ocp.StandardCheckpointer().restore(
+    tmp_path / "ckpt", nnx.to_pure_dict(state)
+  )
+  nnx.replace_by_pure_dict(state, restored)
+  nnx.update((model, old), state)
+  optimizer = optax_accum.flax.Optimizer(model, tx, wrt=nnx.Param)
+  converted = multisteps.from_multisteps(
+    nnx.as_pure(old.opt_state), nnx.as_pure(optimizer.opt_state)
+  )
+  nnx.update(optimizer.opt_state, nnx.state(converted))
+  optimizer.step[...] = old.step[...]
+  multisteps.check_restored(optimizer.opt_state, calls=optimizer.step)
+  _nnx_run(model, optimizer, range(switch, CALLS))
+  _close(
+    nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+    nnx.to_pure_dict(unswitched),
+  )
+  assert int(optimizer.step[...]) == CALLS
