@@ -300,8 +300,7 @@ MULTISTEPS_KEYS = frozenset(
   ("mini_step", "gradient_step", "inner_opt_state", "acc_grads")
 )
 
-# What a restore that needs the old target says to do, with a TrainState
-# (`state`) or an nnx.Optimizer (`optimizer`) in hand.
+# What to do with a MultiSteps checkpoint, for a bare optimizer state.
 RESTORE_FIX = (
   "Restore it into the MultiSteps-shaped target and convert:"
   " `optax_accum.multisteps.restore_target(tx, params)` is that target for"
@@ -339,7 +338,9 @@ def _values(tree: Any) -> list | None:
   return out
 
 
-def not_restored_from_elsewhere(opt_state: Any, calls: Any, where: str):
+def not_restored_from_elsewhere(
+  opt_state: Any, calls: Any, where: str, fix: str = RESTORE_FIX
+) -> None:
   """Raises if a just-restored optimizer state holds an ``accumulate``
   state whose counters are a fresh target's though the run had made `calls`
   calls (or whose ``acc_grads`` no call leaves): what a restorer that fills
@@ -354,6 +355,7 @@ def not_restored_from_elsewhere(opt_state: Any, calls: Any, where: str):
     calls: The trainer's restored count of calls (``TrainState.step``,
       ``nnx.Optimizer.step``), or None.
     where: What was restored, for the message.
+    fix: What to do instead, for the message.
   """
   try:
     state = find_state(opt_state, where, missing_ok=True)
@@ -365,12 +367,14 @@ def not_restored_from_elsewhere(opt_state: Any, calls: Any, where: str):
     (state.micro_step, state.step, state.acc_weight, state.weight_seen)
     + (state.num_skipped,)
   )
-  calls = _values(calls) if calls is not None else [np.zeros(())]
-  if counters is None or calls is None:
+  if counters is None or any(c.any() for c in counters):
     return
-  if any(c.any() for c in counters):
-    return
-  made = int(np.max(calls[0])) if calls else 0
+  made = 0
+  if calls is not None:
+    restored_calls = _values(calls)
+    if restored_calls is None:
+      return
+    made = int(max((c.max() for c in restored_calls), default=0))
   acc = _values(state.acc_grads)
   nonzero = acc is not None and any(a.any() for a in acc)
   if made <= 0 and not nonzero:
@@ -387,7 +391,7 @@ def not_restored_from_elsewhere(opt_state: Any, calls: Any, where: str):
     " accumulate) whose missing fields the restorer filled from the target"
     " (flax.training.checkpoints and Orbax's partial_restore=True do);"
     " trained on, its optimizer state would be reset and MultiSteps'"
-    f" running mean taken as a sum. {RESTORE_FIX}"
+    f" running mean taken as a sum. {fix}"
   )
 
 

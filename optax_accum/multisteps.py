@@ -386,5 +386,5 @@ def check_restored(opt_state: Any, *, calls: Any = None) -> None:
     ...   print(str(e)[:60])
     The opt_state restored holds an accumulate state with a fres
   """
-  find_state(opt_state, "check_restored")
+  _checks.not_a_foreign_restore(find_state(opt_state, "check_restored"))
   _checks.not_restored_from_elsewhere(opt_state, calls, "opt_state")

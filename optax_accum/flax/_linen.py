@@ -76,6 +76,16 @@ class TrainState(train_state.TrainState):
     )
 
 
+_FIX = (
+  "Restore it into"
+  " `state.replace(opt_state=optax_accum.multisteps.restore_target("
+  "state.tx, state.params))`, then continue with"
+  " `restored.replace(opt_state=optax_accum.multisteps.from_multisteps("
+  "restored.opt_state, state.opt_state))`. See"
+  " help(optax_accum.multisteps)."
+)
+
+
 def _register_checked_restore(cls: type) -> None:
   """Registers `cls`'s flax serialization: the stock dataclass one, with the
   restored optimizer state checked (:func:`_checks.not_restored_from_elsewhere`).
@@ -103,12 +113,7 @@ def _register_checked_restore(cls: type) -> None:
         f"The checkpoint restored into {cls.__name__} holds an"
         " optax.MultiSteps state in `opt_state` (mini_step, gradient_step,"
         " inner_opt_state, acc_grads), but this TrainState's optimizer is"
-        " optax_accum.accumulate. Restore into"
-        " `state.replace(opt_state=optax_accum.multisteps.restore_target("
-        "state.tx, state.params))`, then continue with"
-        " `restored.replace(opt_state=optax_accum.multisteps.from_multisteps("
-        "restored.opt_state, state.opt_state))`. See"
-        " help(optax_accum.multisteps)."
+        f" optax_accum.accumulate. {_FIX}"
       )
     state = dict(state)
     updates = {}
@@ -129,7 +134,7 @@ def _register_checked_restore(cls: type) -> None:
       )
     restored = x.replace(**updates)
     _checks.not_restored_from_elsewhere(
-      restored.opt_state, restored.step, f"{cls.__name__}'s opt_state"
+      restored.opt_state, restored.step, f"{cls.__name__}'s opt_state", _FIX
     )
     return restored
 
