@@ -105,6 +105,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_accum import _accumulate, _checks, _every_k
@@ -333,6 +334,111 @@ def to_multisteps(
   )
 
 
+# ----------------------------------------------------------------------------
+# Restore checks (check_restored; optax_accum.flax.TrainState's restore).
+# ----------------------------------------------------------------------------
+
+
+# The fields of an optax.MultiStepsState that an AccumulateState lacks.
+_MULTISTEPS_KEYS = frozenset(
+  ("mini_step", "gradient_step", "inner_opt_state", "acc_grads")
+)
+
+# What to do with a MultiSteps checkpoint, for a bare optimizer state.
+_RESTORE_FIX = (
+  "Restore it into the MultiSteps-shaped target and convert:"
+  " `optax_accum.multisteps.restore_target(tx, params)` is that target for"
+  " the opt_state, and"
+  " `optax_accum.multisteps.from_multisteps(restored_opt_state,"
+  " tx.init(params))` continues the run (mid-cycle too). See"
+  " help(optax_accum.multisteps)."
+)
+
+
+def _holds_multisteps(state_dict: Any) -> bool:
+  """Whether a state dict (``flax.serialization.to_state_dict``) holds an
+  ``optax.MultiStepsState`` anywhere."""
+  if not isinstance(state_dict, dict):
+    return False
+  return _MULTISTEPS_KEYS <= state_dict.keys() or any(
+    _holds_multisteps(v) for v in state_dict.values()
+  )
+
+
+def _values(tree: Any) -> list | None:
+  """`tree`'s leaves as NumPy arrays, or None where one is not concrete
+  here (traced, abstract, or on another host)."""
+  out = []
+  for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      if not x.is_fully_addressable:
+        return None
+    elif not isinstance(x, (np.ndarray, np.generic, int, float, bool)):
+      return None
+    try:
+      out.append(np.asarray(x))
+    except Exception:  # noqa: BLE001  (an unreduced array reads only in jit)
+      return None
+  return out
+
+
+def _not_restored_from_elsewhere(
+  opt_state: Any, calls: Any, where: str, fix: str = _RESTORE_FIX
+) -> None:
+  """Raises if a just-restored optimizer state holds an ``accumulate``
+  state whose counters are a fresh target's though the run had made `calls`
+  calls (or whose ``acc_grads`` no call leaves): what a restorer that fills
+  the fields a checkpoint lacks from the target gives for a ``MultiSteps``
+  checkpoint (or one saved without ``accumulate``).
+
+  Reads the counters, and ``acc_grads`` once, where the values are
+  concrete; a traced or abstract state passes.
+
+  Args:
+    opt_state: The restored optimizer state.
+    calls: The trainer's restored count of calls (``TrainState.step``,
+      ``nnx.Optimizer.step``), or None.
+    where: What was restored, for the message.
+    fix: What to do instead, for the message.
+  """
+  try:
+    state = find_state(opt_state, where, missing_ok=True)
+  except ValueError:  # several accumulate states: not ours to judge
+    return
+  if state is None:
+    return
+  counters = _values(
+    (state.micro_step, state.step, state.acc_weight, state.weight_seen)
+    + (state.num_skipped,)
+  )
+  if counters is None or any(c.any() for c in counters):
+    return
+  made = 0
+  if calls is not None:
+    restored_calls = _values(calls)
+    if restored_calls is None:
+      return
+    made = int(max((c.max() for c in restored_calls), default=0))
+  acc = _values(state.acc_grads)
+  nonzero = acc is not None and any(a.any() for a in acc)
+  if made <= 0 and not nonzero:
+    return
+  why = (
+    (f"the run had made {made} calls" if made > 0 else "")
+    + (" and " if made > 0 and nonzero else "")
+    + ("acc_grads is not zero" if nonzero else "")
+  )
+  raise ValueError(
+    f"The {where} restored holds an accumulate state with a fresh target's"
+    f" counters, though {why}: the checkpoint holds no AccumulateState."
+    " It looks like an optax.MultiSteps checkpoint (or one saved without"
+    " accumulate) whose missing fields the restorer filled from the target"
+    " (flax.training.checkpoints and Orbax's partial_restore=True do);"
+    " trained on, its optimizer state would be reset and MultiSteps'"
+    f" running mean taken as a sum. {fix}"
+  )
+
+
 def _same_tree(name: str, got: Any, want: Any) -> None:
   if jax.tree.structure(got) != jax.tree.structure(want):
     raise ValueError(
@@ -387,4 +493,4 @@ def check_restored(opt_state: Any, *, calls: Any = None) -> None:
     The opt_state restored holds an accumulate state with a fres
   """
   _checks.not_a_foreign_restore(find_state(opt_state, "check_restored"))
-  _checks.not_restored_from_elsewhere(opt_state, calls, "opt_state")
+  _not_restored_from_elsewhere(opt_state, calls, "opt_state")

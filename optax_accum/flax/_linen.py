@@ -8,7 +8,7 @@ import jax
 from flax import serialization
 from flax.training import train_state
 
-from optax_accum import _apply, _checks, _state
+from optax_accum import _apply, _state, multisteps
 
 
 class TrainState(train_state.TrainState):
@@ -88,7 +88,7 @@ _FIX = (
 
 def _register_checked_restore(cls: type) -> None:
   """Registers `cls`'s flax serialization: the stock dataclass one, with the
-  restored optimizer state checked (:func:`_checks.not_restored_from_elsewhere`).
+  restored optimizer state checked (:func:`optax_accum.multisteps.check_restored`).
 
   flax registers every dataclass with a generic ``from_state_dict`` that
   keeps no hook, so this one restores the fields as it does, then checks.
@@ -106,9 +106,9 @@ def _register_checked_restore(cls: type) -> None:
 
   def from_state_dict(x: Any, state: dict[str, Any]) -> Any:
     ours = jax.tree.leaves(x.opt_state, is_leaf=_state.is_accumulate_state)
-    if any(map(_state.is_accumulate_state, ours)) and _checks.holds_multisteps(
-      state.get("opt_state")
-    ):
+    if any(
+      map(_state.is_accumulate_state, ours)
+    ) and multisteps._holds_multisteps(state.get("opt_state")):
       raise ValueError(
         f"The checkpoint restored into {cls.__name__} holds an"
         " optax.MultiSteps state in `opt_state` (mini_step, gradient_step,"
@@ -133,7 +133,7 @@ def _register_checked_restore(cls: type) -> None:
         f" {serialization.current_path()}"
       )
     restored = x.replace(**updates)
-    _checks.not_restored_from_elsewhere(
+    multisteps._not_restored_from_elsewhere(
       restored.opt_state, restored.step, f"{cls.__name__}'s opt_state", _FIX
     )
     return restored
