@@ -174,8 +174,9 @@ def equivalent(
   """The ``optax.MultiSteps`` that `tx` takes the place of.
 
   Built from the ``accumulate`` transformation's own arguments, following
-  the table above: its ``inner`` optimizer, ``every_k`` (its first value
-  when ``every_k`` is a schedule or a controller), ``use_grad_mean`` from
+  the table above: its ``inner`` optimizer, ``every_k`` (a schedule
+  ``every_k(step)`` as is; the first k of a schedule of ``(step,
+  weight_seen)`` or of a controller), ``use_grad_mean`` from
   ``reduction`` and ``should_skip_update_fn=optax.skip_not_finite`` from
   ``skip_nonfinite=True``. Its ``init(params)`` is :func:`restore_target`;
   wrap it where a trainer holds the optimizer, e.g. ``nnx.Optimizer(model,
@@ -194,10 +195,15 @@ def equivalent(
 
 def _equivalent(tx: Any, reader: str, accumulator_dtype: Any):
   config = _accumulate.config_of(tx, reader)
-  k = _every_k.first(config.every_k)
+  spec = config.every_k
+  k = _every_k.first(spec)
+  if spec.schedule is not None and not spec.takes_weight:
+    every_k_schedule = spec.schedule  # both call it with the optimizer step
+  else:
+    every_k_schedule = int(k)
   return optax.MultiSteps(
     config.inner(k),
-    every_k_schedule=int(k),
+    every_k_schedule=every_k_schedule,
     use_grad_mean=config.reduction == "mean",
     accumulator_dtype=accumulator_dtype,
     should_skip_update_fn=optax.skip_not_finite

@@ -93,6 +93,25 @@ def test_restore_target_is_the_multisteps_init():
     multisteps.restore_target(optax.chain(optax.clip(1.0), _new()), params)
 
 
+EVERY_K = {"fixed": K, "schedule": lambda step: 2 + step % 2}
+
+
+@pytest.mark.parametrize("every_k", EVERY_K.values(), ids=EVERY_K)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_equivalent_is_the_multisteps_tx_replaces(every_k, reduction):
+  """The same updates, call by call, as the accumulate it is built from
+  (sgd: adam would hide a mean taken for a sum)."""
+  tx = optax_accum.accumulate(optax.sgd(0.1), every_k, reduction=reduction)
+  old = multisteps.equivalent(tx)
+  params = _params()
+  state, ms_state = tx.init(params), old.init(params)
+  for i in range(10):
+    updates, state = tx.update(_grads(i), state, params)
+    ms_updates, ms_state = old.update(_grads(i), ms_state, params)
+    _close(updates, ms_updates)
+  assert int(state.step) == int(ms_state.gradient_step) >= 3
+
+
 # ----------------------------------------------------------------------------
 # Equinox: tree_serialise_leaves of (model, opt_state).
 # ----------------------------------------------------------------------------
