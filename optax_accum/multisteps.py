@@ -61,8 +61,8 @@ run goes on where it stopped, mid-cycle too::
 
 * Orbax ``StandardCheckpointer().restore(path, target)``: Orbax raises its
   own error ("User-provided restore item and on-disk value metadata tree
-  structures do not match", or on some trees "The truth value of an array
-  with more than one element is ambiguous" from its diff formatter).
+  structures do not match"; one trainer reported "The truth value of an
+  array with more than one element is ambiguous" from its diff formatter).
 * Orbax ``partial_restore=True``: silent. The fields the file lacks come
   from the fresh target: a reset inner state, ``MultiSteps``' mean taken as
   a sum. No code of this package runs there.
