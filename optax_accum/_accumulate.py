@@ -395,6 +395,26 @@ def accumulate(
     gradients=gradients,
     reduce_dtype=_checks.reduce_dtype(reduce_dtype, axis_name),
   )
+  # `init` is `partial(_init, config)`: `config_of` reads the configuration
+  # back from it (optax_accum.multisteps.restore_target builds the state of
+  # the MultiSteps run a transformation replaces).
   return optax.GradientTransformationExtraArgs(
     functools.partial(_init, config), functools.partial(_update, config)
+  )
+
+
+def config_of(tx: Any, reader: str) -> _Config:
+  """The validated arguments of the :func:`accumulate` that returned `tx`.
+
+  Raises:
+    TypeError: If `tx` is not a transformation :func:`accumulate` returned
+      (an ``optax.chain`` around one included: its parts are not reachable).
+  """
+  init = getattr(tx, "init", None)
+  if isinstance(init, functools.partial) and init.func is _init:
+    return init.args[0]
+  raise TypeError(
+    f"`{reader}` needs the transformation optax_accum.accumulate returned"
+    f" (`tx`), got {type(tx).__name__}: pass that transformation itself,"
+    " not a chain or wrapper around it."
   )

@@ -21,10 +21,17 @@ Arguments and methods::
     optax.skip_not_finite           predicate)
   accumulator_dtype=                accumulator_dtype= (None: the
                                     gradient's dtype)
-  .gradient_transformation()        the transformation itself
+  .gradient_transformation()        the transformation itself (on an
+                                    accumulate it raises AttributeError:
+                                    'GradientTransformationExtraArgs' object
+                                    has no attribute 'gradient_transformation':
+                                    drop the call)
   .has_updated(state)               optax_accum.has_updated(state): False
                                     on a dropped micro-batch and on a cycle
-                                    of total weight 0
+                                    of total weight 0 (tx.has_updated raises
+                                    the same bare AttributeError)
+  optax.MultiStepsState (type       optax_accum.AccumulateState
+    annotations)
 
 State fields (reading a ``MultiStepsState`` name from an
 ``AccumulateState`` raises an ``AttributeError`` naming the equivalent)::
@@ -39,46 +46,170 @@ State fields (reading a ``MultiStepsState`` name from an
                                     on every backend)
   skip_state                        num_skipped (a count over the run)
 
-Checkpoints. A ``MultiSteps`` checkpoint does not restore into an
-``accumulate`` target: the field names differ, and Orbax,
-``flax.serialization.from_state_dict`` and
-``flax.training.checkpoints.restore_checkpoint`` raise a structure error.
-To switch a run mid-training, restore with the *old* optimizer's target,
-convert, and go on::
+Checkpoints. A ``MultiSteps`` checkpoint does not fit an ``accumulate``
+target (other field names; ``acc_grads`` a mean, not a sum). Restore it
+into :func:`restore_target`, built from the ``accumulate`` transformation
+itself (no copy of the old optimizer's construction), then convert; the
+run goes on where it stopped, mid-cycle too::
 
-  old = optax.MultiSteps(inner, every_k_schedule=k)
   tx = optax_accum.accumulate(inner, every_k=k)
-  ms_state = checkpointer.restore(path, old.init(params))
-  state = optax_accum.multisteps.from_multisteps(ms_state, tx.init(params))
+  ms_state = checkpointer.restore(path, restore_target(tx, params))
+  state = from_multisteps(ms_state, tx.init(params))
 
-:func:`to_multisteps` goes back. A restore that instead fills the fields a
-``MultiSteps`` checkpoint lacks from a fresh ``accumulate`` target (a
-lenient restorer, or a hand-merged state dict) leaves ``acc_grads`` holding
-``MultiSteps``' running mean beside a fresh counter: ``update`` then raises
-an error naming :func:`from_multisteps` (checked where the state's values
-are concrete, i.e. outside ``jit``; Orbax's ``partial_restore=True`` is such
-a restore). A step jitted from its first call is not checked: call
-:func:`check_restored` on the restored state. A checkpoint saved at a cycle boundary
-holds nothing that tells the two apart (zeros in ``acc_grads``): restore it
-with the old target as above.
+:func:`to_multisteps` goes back. Restored the old way, into an
+``accumulate`` target, each route does this (``tests/test_restores.py``):
 
-Places that change in a trainer: the optimizer's construction; every script
-that rebuilds it to restore (restore with ``MultiSteps`` once, convert, then
-save and restore ``accumulate`` states from then on); ``.has_updated`` ->
-``optax_accum.has_updated``; reads of ``mini_step``, ``gradient_step`` and
-``inner_opt_state``; the apply step (``optax_accum.apply_updates``).
+* Orbax ``StandardCheckpointer().restore(path, target)``: Orbax raises its
+  own error ("User-provided restore item and on-disk value metadata tree
+  structures do not match"; one trainer reported "The truth value of an
+  array with more than one element is ambiguous" from its diff formatter).
+* Orbax ``partial_restore=True``: silent. The fields the file lacks come
+  from the fresh target: a reset inner state, ``MultiSteps``' mean taken as
+  a sum. No code of this package runs there.
+* ``flax.training.checkpoints.restore_checkpoint(dir, target=state)`` and
+  ``flax.serialization.from_state_dict`` / ``from_bytes`` with ``state`` an
+  ``optax_accum.flax.TrainState`` or a subclass: a ``ValueError`` naming
+  :func:`restore_target` and :func:`from_multisteps`, raised by the restore
+  (the ``TrainState`` checks what it restored, once; the training step pays
+  nothing). With flax's own ``TrainState``, ``restore_checkpoint`` is
+  silent (it fills the missing fields from the target, as
+  ``partial_restore``) and ``flax.serialization`` raises flax's "The field
+  names of the state dict and the named tuple do not match".
+* equinox ``tree_deserialise_leaves(path, like)``: equinox's
+  ``TreePathError`` (a leaf path through ``inner_state``) or ``EOFError: No
+  data left in file``.
+* NNX, Orbax into ``nnx.state(optimizer)`` then ``nnx.update``: strict,
+  Orbax's error; with ``partial_restore=True``, silent (no code of this
+  package runs in ``nnx.update``). Restore instead into ``nnx.Optimizer(model,
+  equivalent(tx).gradient_transformation(), wrt=...)`` (the old layout,
+  built from ``tx``) and convert its ``nnx.as_pure(opt_state)``.
+
+So during a switch, call :func:`check_restored` once after every restore
+that no code of this package runs in, with the trainer's own count of calls
+(``check_restored(opt_state, calls=state.step)``): it raises naming
+:func:`from_multisteps` on a state filled from a fresh target. The first
+eager ``update`` refuses a mid-cycle one too, but a step jitted or
+``pmap``-ped from its first call is not checked (that would cost a pass
+over the accumulator on every micro-step).
+
+Places that change in a trainer: the optimizer's construction; the step's
+type annotations (``optax.MultiStepsState`` -> ``AccumulateState``); every
+restore of an old checkpoint (into :func:`restore_target` once, convert,
+then save and restore ``accumulate`` states from then on);
+``.has_updated`` -> ``optax_accum.has_updated``; reads of ``mini_step``,
+``gradient_step`` and ``inner_opt_state``; the apply step
+(``optax_accum.apply_updates``).
 """
 
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from optax_accum import _checks
+from optax_accum import _accumulate, _checks, _every_k
 from optax_accum._state import AccumulateState, find_state
 
-__all__ = ("check_restored", "from_multisteps", "to_multisteps")
+__all__ = (
+  "check_restored",
+  "equivalent",
+  "from_multisteps",
+  "restore_target",
+  "to_multisteps",
+)
+
+
+def restore_target(
+  tx: optax.GradientTransformation,
+  params: optax.Params,
+  *,
+  accumulator_dtype: Any = jnp.float32,
+) -> optax.MultiStepsState:
+  """The target to restore a checkpoint of the ``MultiSteps`` run into.
+
+  The ``optax.MultiStepsState`` that ``optax.MultiSteps(inner, k).init``
+  gives for the ``inner`` optimizer `tx` wraps, with ``skip_state`` the
+  one of ``should_skip_update_fn=optax.skip_not_finite`` when `tx` has
+  ``skip_nonfinite=True``: the tree, shapes and dtypes a ``MultiSteps``
+  checkpoint was saved with, without a copy of the old optimizer's
+  construction. Restore into it, then convert with
+  :func:`from_multisteps`.
+
+  Args:
+    tx: The transformation :func:`optax_accum.accumulate` returned (not a
+      chain around it; pass the accumulate part, or build the target with
+      the old optimizer).
+    params: The params (the tree ``tx.init`` takes).
+    accumulator_dtype: The ``MultiSteps`` argument of the same name
+      (float32, its default; ``None``: the params' dtype).
+
+  Returns:
+    An ``optax.MultiStepsState`` of zeros and the inner optimizer's
+    initial state.
+
+  Raises:
+    TypeError: If `tx` is not a transformation ``accumulate`` returned.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, optax_accum
+    >>> from optax_accum import multisteps
+    >>> params = jnp.zeros(2)
+    >>> old = optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
+    >>> _, saved = old.update(jnp.array([2.0, 4.0]), old.init(params), params)
+    >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
+    >>> target = multisteps.restore_target(tx, params)
+    >>> restored = jax.tree.unflatten(  # your checkpointer's restore
+    ...   jax.tree.structure(target), jax.tree.leaves(saved))
+    >>> state = multisteps.from_multisteps(restored, tx.init(params))
+    >>> print(state.micro_step, state.acc_grads)
+    1 [2. 4.]
+  """
+  return _equivalent(tx, "restore_target", accumulator_dtype).init(params)
+
+
+def equivalent(
+  tx: optax.GradientTransformation, *, accumulator_dtype: Any = jnp.float32
+) -> optax.MultiSteps:
+  """The ``optax.MultiSteps`` that `tx` takes the place of.
+
+  Built from the ``accumulate`` transformation's own arguments, following
+  the table above: its ``inner`` optimizer, ``every_k`` (a schedule
+  ``every_k(step)`` as is; the first k of a schedule of ``(step,
+  weight_seen)`` or of a controller), ``use_grad_mean`` from
+  ``reduction`` and ``should_skip_update_fn=optax.skip_not_finite`` from
+  ``skip_nonfinite=True``. Its ``init(params)`` is :func:`restore_target`;
+  wrap it where a trainer holds the optimizer, e.g. ``nnx.Optimizer(model,
+  equivalent(tx), wrt=nnx.Param)``, to get the layout a ``MultiSteps``
+  checkpoint of that trainer was saved with.
+
+  Args:
+    tx: The transformation :func:`optax_accum.accumulate` returned.
+    accumulator_dtype: The ``MultiSteps`` argument of the same name.
+
+  Raises:
+    TypeError: If `tx` is not a transformation ``accumulate`` returned.
+  """
+  return _equivalent(tx, "equivalent", accumulator_dtype)
+
+
+def _equivalent(tx: Any, reader: str, accumulator_dtype: Any):
+  config = _accumulate.config_of(tx, reader)
+  spec = config.every_k
+  k = _every_k.first(spec)
+  if spec.schedule is not None and not spec.takes_weight:
+    every_k_schedule = spec.schedule  # both call it with the optimizer step
+  else:
+    every_k_schedule = int(k)
+  return optax.MultiSteps(
+    config.inner(k),
+    every_k_schedule=every_k_schedule,
+    use_grad_mean=config.reduction == "mean",
+    accumulator_dtype=accumulator_dtype,
+    should_skip_update_fn=optax.skip_not_finite
+    if config.skip_nonfinite
+    else None,
+  )
 
 
 def _check_multisteps_state(ms_state: Any) -> None:
@@ -209,6 +340,111 @@ def to_multisteps(
   )
 
 
+# ----------------------------------------------------------------------------
+# Restore checks (check_restored; optax_accum.flax.TrainState's restore).
+# ----------------------------------------------------------------------------
+
+
+# The fields of an optax.MultiStepsState that an AccumulateState lacks.
+_MULTISTEPS_KEYS = frozenset(
+  ("mini_step", "gradient_step", "inner_opt_state", "acc_grads")
+)
+
+# What to do with a MultiSteps checkpoint, for a bare optimizer state.
+_RESTORE_FIX = (
+  "Restore it into the MultiSteps-shaped target and convert:"
+  " `optax_accum.multisteps.restore_target(tx, params)` is that target for"
+  " the opt_state, and"
+  " `optax_accum.multisteps.from_multisteps(restored_opt_state,"
+  " tx.init(params))` continues the run (mid-cycle too). See"
+  " help(optax_accum.multisteps)."
+)
+
+
+def _holds_multisteps(state_dict: Any) -> bool:
+  """Whether a state dict (``flax.serialization.to_state_dict``) holds an
+  ``optax.MultiStepsState`` anywhere."""
+  if not isinstance(state_dict, dict):
+    return False
+  return _MULTISTEPS_KEYS <= state_dict.keys() or any(
+    _holds_multisteps(v) for v in state_dict.values()
+  )
+
+
+def _values(tree: Any) -> list | None:
+  """`tree`'s leaves as NumPy arrays, or None where one is not concrete
+  here (traced, abstract, or on another host)."""
+  out = []
+  for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      if not x.is_fully_addressable:
+        return None
+    elif not isinstance(x, (np.ndarray, np.generic, int, float, bool)):
+      return None
+    try:
+      out.append(np.asarray(x))
+    except Exception:  # noqa: BLE001  (an unreduced array reads only in jit)
+      return None
+  return out
+
+
+def _not_restored_from_elsewhere(
+  opt_state: Any, calls: Any, where: str, fix: str = _RESTORE_FIX
+) -> None:
+  """Raises if a just-restored optimizer state holds an ``accumulate``
+  state whose counters are a fresh target's though the run had made `calls`
+  calls (or whose ``acc_grads`` no call leaves): what a restorer that fills
+  the fields a checkpoint lacks from the target gives for a ``MultiSteps``
+  checkpoint (or one saved without ``accumulate``).
+
+  Reads the counters, and ``acc_grads`` once, where the values are
+  concrete; a traced or abstract state passes.
+
+  Args:
+    opt_state: The restored optimizer state.
+    calls: The trainer's restored count of calls (``TrainState.step``,
+      ``nnx.Optimizer.step``), or None.
+    where: What was restored, for the message.
+    fix: What to do instead, for the message.
+  """
+  try:
+    state = find_state(opt_state, where, missing_ok=True)
+  except ValueError:  # several accumulate states: not ours to judge
+    return
+  if state is None:
+    return
+  counters = _values(
+    (state.micro_step, state.step, state.acc_weight, state.weight_seen)
+    + (state.num_skipped,)
+  )
+  if counters is None or any(c.any() for c in counters):
+    return
+  made = 0
+  if calls is not None:
+    restored_calls = _values(calls)
+    if restored_calls is None:
+      return
+    made = int(max((c.max() for c in restored_calls), default=0))
+  acc = _values(state.acc_grads)
+  nonzero = acc is not None and any(a.any() for a in acc)
+  if made <= 0 and not nonzero:
+    return
+  why = (
+    (f"the run had made {made} calls" if made > 0 else "")
+    + (" and " if made > 0 and nonzero else "")
+    + ("acc_grads is not zero" if nonzero else "")
+  )
+  raise ValueError(
+    f"The {where} restored holds an accumulate state with a fresh target's"
+    f" counters, though {why}: the checkpoint holds no AccumulateState."
+    " It looks like an optax.MultiSteps checkpoint (or one saved without"
+    " accumulate) whose missing fields the restorer filled from the target"
+    " (flax.training.checkpoints and Orbax's partial_restore=True do);"
+    " trained on, its optimizer state would be reset and MultiSteps'"
+    f" running mean taken as a sum. {fix}"
+  )
+
+
 def _same_tree(name: str, got: Any, want: Any) -> None:
   if jax.tree.structure(got) != jax.tree.structure(want):
     raise ValueError(
@@ -228,16 +464,39 @@ def _replace_state(target: Any, old: AccumulateState, new: AccumulateState):
   )
 
 
-def check_restored(opt_state: Any) -> None:
-  """Raises if `opt_state` looks like a ``MultiSteps`` checkpoint restored
-  into a fresh ``accumulate`` target (a non-zero ``acc_grads`` with no
-  cycle under way), naming :func:`from_multisteps`; a state that ``update``
-  left passes. Call it after a restore when the train step is jitted from
-  its first call (``update`` checks eagerly by itself).
+def check_restored(opt_state: Any, *, calls: Any = None) -> None:
+  """Raises if `opt_state` looks like a checkpoint with no ``accumulate``
+  state (an ``optax.MultiSteps`` one) restored into a fresh ``accumulate``
+  target, naming :func:`from_multisteps`; a state that ``update`` left
+  passes. Call it once after every restore while a run switches, wherever
+  no code of this package runs at restore time (a bare state restored by
+  hand, Orbax, ``nnx.update``): a step jitted from its first call cannot
+  check without a cost on every micro-step.
+
+  Without `calls`, it catches a checkpoint saved mid-cycle (a non-zero
+  ``acc_grads`` with fresh counters, which no call leaves); with the
+  trainer's own count of calls restored beside it (``TrainState.step``,
+  ``nnx.Optimizer.step``), also one saved at a cycle boundary (fresh
+  counters though the run had made calls).
+
+  Args:
+    opt_state: The restored optimizer state (holding one
+      ``AccumulateState``).
+    calls: The number of ``update`` calls the checkpointed run had made, as
+      restored with it; None if the trainer keeps none.
+
+  Raises:
+    ValueError: Naming :func:`from_multisteps`, see above.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
     >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
     >>> optax_accum.multisteps.check_restored(tx.init(jnp.zeros(2)))
+    >>> try:
+    ...   optax_accum.multisteps.check_restored(tx.init(jnp.zeros(2)), calls=6)
+    ... except ValueError as e:
+    ...   print(str(e)[:60])
+    The opt_state restored holds an accumulate state with a fres
   """
   _checks.not_a_foreign_restore(find_state(opt_state, "check_restored"))
+  _not_restored_from_elsewhere(opt_state, calls, "opt_state")

@@ -88,6 +88,37 @@ def train_step(params, opt_state, batch):
   updates, opt_state = tx.update(jax.grad(loss_fn)(params), opt_state, params)
   return optax_accum.apply_updates(params, updates, opt_state), opt_state
 """,
+  # An optax.MultiSteps run's params and state, 6 micro-batches in (one
+  # cycle of 4, then 2), saved with Orbax at `path`.
+  "multisteps_checkpoint": """
+import jax, jax.numpy as jnp, optax
+import orbax.checkpoint as ocp
+params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+_old = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=4)
+_state = _old.init(params)
+for _i in range(6):
+  _grads = jax.tree.map(lambda p: p * (_i + 1), params)
+  _updates, _state = _old.update(_grads, _state, params)
+  params = optax.apply_updates(params, _updates)
+path = _docs_tmp / "multisteps"
+with ocp.StandardCheckpointer() as _checkpointer:
+  _checkpointer.save(path, {"params": params, "opt_state": _state})
+""",
+  # The same run as a flax TrainState, saved by the trainer's own
+  # flax.training.checkpoints at `ckpt_dir`.
+  "multisteps_train_state": """
+from flax.training import checkpoints, train_state
+ckpt_dir = _docs_tmp / "multisteps_train_state"
+_state = train_state.TrainState.create(
+  apply_fn=None,
+  params=params,
+  tx=optax.MultiSteps(optax.adam(1e-3), 4).gradient_transformation(),
+)
+for _i in range(6):
+  _grads = jax.tree.map(lambda p: p * (_i + 1), _state.params)
+  _state = _state.apply_gradients(grads=_grads)
+checkpoints.save_checkpoint(ckpt_dir, _state, step=6)
+""",
   # The previous block's optimizer state, saved with Orbax at `path`.
   "orbax_saved": """
 import orbax.checkpoint as ocp

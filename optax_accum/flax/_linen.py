@@ -1,11 +1,14 @@
 """``optax_accum.flax.TrainState``: linen's ``TrainState`` applying with
 :func:`optax_accum.apply_updates`."""
 
+import dataclasses
 from typing import Any
 
+import jax
+from flax import serialization
 from flax.training import train_state
 
-from optax_accum import _apply
+from optax_accum import _apply, _state, multisteps
 
 
 class TrainState(train_state.TrainState):
@@ -22,6 +25,19 @@ class TrainState(train_state.TrainState):
   ``optax_accum.has_updated(state.opt_state)`` says whether the last call
   applied an update.
 
+  Restores check what they restore, once, where the values are concrete:
+  ``flax.serialization.from_state_dict`` (and so ``from_bytes`` and
+  ``flax.training.checkpoints.restore_checkpoint`` with this class, or a
+  subclass of it, as the target) raises a ``ValueError`` naming
+  :func:`optax_accum.multisteps.from_multisteps` when the checkpoint's
+  ``opt_state`` is an ``optax.MultiSteps`` state, or when the restored
+  accumulate state has a fresh target's counters though ``step`` says the
+  run had made calls (a restorer that filled the missing fields from the
+  target, as ``restore_checkpoint`` does through Orbax). Restore such a
+  checkpoint into ``state.replace(opt_state=restore_target(state.tx,
+  state.params))`` and convert (``help(optax_accum.multisteps)``). The
+  training step pays nothing for it.
+
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
     >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
@@ -32,6 +48,10 @@ class TrainState(train_state.TrainState):
     >>> print(int(state.step), state.params["w"])
     2 [-1. -1.]
   """
+
+  def __init_subclass__(cls, **kwargs: Any) -> None:
+    super().__init_subclass__(**kwargs)  # makes `cls` a flax dataclass
+    _register_checked_restore(cls)
 
   def apply_gradients(
     self,
@@ -54,3 +74,73 @@ class TrainState(train_state.TrainState):
       opt_state=opt_state,
       **kwargs,
     )
+
+
+_FIX = (
+  "Restore it into"
+  " `state.replace(opt_state=optax_accum.multisteps.restore_target("
+  "state.tx, state.params))`, then continue with"
+  " `restored.replace(opt_state=optax_accum.multisteps.from_multisteps("
+  "restored.opt_state, state.opt_state))`. See"
+  " help(optax_accum.multisteps)."
+)
+
+
+def _register_checked_restore(cls: type) -> None:
+  """Registers `cls`'s flax serialization: the stock dataclass one, with the
+  restored optimizer state checked (:func:`optax_accum.multisteps.check_restored`).
+
+  flax registers every dataclass with a generic ``from_state_dict`` that
+  keeps no hook, so this one restores the fields as it does, then checks.
+  """
+  fields = [
+    f.name
+    for f in dataclasses.fields(cls)
+    if f.metadata.get("pytree_node", True)
+  ]
+
+  def to_state_dict(x: Any) -> dict[str, Any]:
+    return {
+      name: serialization.to_state_dict(getattr(x, name)) for name in fields
+    }
+
+  def from_state_dict(x: Any, state: dict[str, Any]) -> Any:
+    ours = jax.tree.leaves(x.opt_state, is_leaf=_state.is_accumulate_state)
+    if any(
+      map(_state.is_accumulate_state, ours)
+    ) and multisteps._holds_multisteps(state.get("opt_state")):
+      raise ValueError(
+        f"The checkpoint restored into {cls.__name__} holds an"
+        " optax.MultiSteps state in `opt_state` (mini_step, gradient_step,"
+        " inner_opt_state, acc_grads), but this TrainState's optimizer is"
+        f" optax_accum.accumulate. {_FIX}"
+      )
+    state = dict(state)
+    updates = {}
+    for name in fields:
+      if name not in state:
+        raise ValueError(
+          f"Missing field {name} in state dict while restoring an instance"
+          f" of {cls.__name__}, at path {serialization.current_path()}"
+        )
+      updates[name] = serialization.from_state_dict(
+        getattr(x, name), state.pop(name), name=name
+      )
+    if state:
+      raise ValueError(
+        f'Unknown field(s) "{",".join(state)}" in state dict while restoring'
+        f" an instance of {cls.__name__} at path"
+        f" {serialization.current_path()}"
+      )
+    restored = x.replace(**updates)
+    multisteps._not_restored_from_elsewhere(
+      restored.opt_state, restored.step, f"{cls.__name__}'s opt_state", _FIX
+    )
+    return restored
+
+  serialization.register_serialization_state(
+    cls, to_state_dict, from_state_dict, override=True
+  )
+
+
+_register_checked_restore(TrainState)
