@@ -761,6 +761,7 @@ def measure_config(
   record(result)
   need, stats = timing_bytes(variants.memory), device_memory()
   free = stats and free_bytes(stats)
+  result.update(timing_bytes=need, free_bytes=free)
   if free is not None and need > free:
     result["skipped"] = (
       f"memory: six variants alive need ~{need / MB:,.0f} MiB, the device"
@@ -1285,7 +1286,7 @@ def main(argv: list[str] | None = None) -> int:
   results.save()
   log(f"done in {clock.elapsed():.0f} s (budget {args.budget_s:.0f} s)")
   try:
-    for path in render(results.path, out):
+    for path in render([results.path], out):
       log(f"wrote {path}")
   except Exception as exc:  # noqa: BLE001  (the JSON stands; --render later)
     results.error("render", exc)
@@ -1608,8 +1609,6 @@ def merge(payloads: list[dict[str, Any]]) -> dict[str, Any]:
 def render(sources: list[pathlib.Path], out: pathlib.Path) -> list:
   """Writes bench_gpu.md and bench_gpu.png from the results files alone
   (several: `merge`d)."""
-  if isinstance(sources, str | pathlib.Path):
-    sources = [sources]
   payload = merge([json.loads(pathlib.Path(s).read_text()) for s in sources])
   out.mkdir(parents=True, exist_ok=True)
   md, png = out / f"{NAME}.md", out / f"{NAME}.png"

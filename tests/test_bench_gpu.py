@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -401,17 +402,11 @@ def fake_config(calls, leak=None):
   def measure_config(optimizer, dtype, size_mb, *args):
     calls.append((optimizer, dtype, size_mb))
     if leak is not None:  # an array a failed configuration's frames hold
-      leak.append(bench_gpu_jnp().ones((1024,)))
+      leak.append(jnp.ones((1024,)))
       raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory (planted)")
     return {"planted": True}
 
   return measure_config
-
-
-def bench_gpu_jnp():
-  import jax.numpy as jnp
-
-  return jnp
 
 
 def test_only_and_no_lm_select_what_runs(bench_gpu, monkeypatch, tmp_path):
@@ -437,7 +432,6 @@ def test_only_and_no_lm_select_what_runs(bench_gpu, monkeypatch, tmp_path):
 def test_error_path_frees_what_the_configuration_left(
   bench_gpu, monkeypatch, tmp_path
 ):
-  jnp = bench_gpu_jnp()
   kept = jnp.ones((8,))  # alive before the run: left alone
   calls, leak = [], []
   monkeypatch.setattr(bench_gpu, "measure_config", fake_config(calls, leak))
