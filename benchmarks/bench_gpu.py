@@ -46,14 +46,31 @@ peak that sets no new high is recorded as not attributable (null). Each
 variant's compiled footprint (``memory_analysis()``: argument + temp +
 output - alias) is recorded beside it.
 
+Nothing here is meant to run out of memory (an OOM costs tens of seconds
+of allocator retries): the ballast is capped so that ballast + footprint +
+`safety_margin` stays under the allocator's free bytes, and left out (with
+the reason recorded) where the peak to beat is too close to the limit; the
+interleaved timing keeps every variant alive at once, so before it the
+configuration's live bytes (`timing_bytes`) are checked against the free
+bytes and, where they do not fit, its timing is skipped with the reason
+(probes and footprints stay). After every configuration, failed or not,
+`release` deletes every array it left alive (a traceback's frames hold
+device arrays), clears JAX's caches and records the bytes still in use.
+
+``--only adam:bfloat16:2048,clip_adamw:*:512`` (fnmatch on
+``inner:dtype:size_mb``) and ``--no-lm`` make a short run that fills gaps;
+``--render A.json B.json`` merges runs into one page (a later run's
+configuration replaces an earlier one's).
+
 Usage::
 
   benchmarks/gpu.sh OUTDIR                      # on the GPU machine
   JAX_PLATFORMS=cpu benchmarks/gpu.sh OUT --smoke
-  python benchmarks/bench_gpu.py --render OUT/bench_gpu.json
+  python benchmarks/bench_gpu.py --render OUT/bench_gpu.json [MORE.json]
 """
 
 import argparse
+import fnmatch
 import functools
 import gc
 import json
@@ -170,9 +187,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   add(
     "--render",
     metavar="RESULTS_JSON",
-    help="only render RESULTS_JSON's Markdown and PNG (into --out if given,"
-    " else beside it) and exit",
+    nargs="+",
+    help="only render the Markdown and PNG of RESULTS_JSON (several: merged,"
+    " a later file's configurations replacing an earlier one's) into --out"
+    " if given, else beside the first, and exit",
   )
+  add(
+    "--only",
+    type=csv_list(str),
+    help="step configurations to run, fnmatch patterns on"
+    " inner:dtype:size_mb (e.g. adam:bfloat16:2048,clip_adamw:*:512)",
+  )
+  add("--no-lm", action="store_true", help="skip the LM section")
   add(
     "--budget-s",
     type=float,
@@ -601,14 +627,57 @@ def allocate_ballast(nbytes: int) -> list[jax.Array]:
   return chunks
 
 
-def ballast_bytes(before: dict[str, int], expected: int) -> int:
-  """Bytes that lift the bytes in use to the peak seen so far, less the
-  variant's expected peak (its compiled footprint) and a margin: the
-  variant's cycle then sets a new high unless it needs less than
-  ``expected - margin``."""
+def safety_margin(limit: int) -> int:
+  """Bytes left free under the allocator's limit: 2 GiB or 5%."""
+  return max(2 << 30, limit // 20)
+
+
+def free_bytes(stats: dict[str, int]) -> int | None:
+  """What may still be allocated without coming near an OOM."""
+  if "bytes_limit" not in stats:
+    return None
+  limit = stats["bytes_limit"]
+  return limit - stats["bytes_in_use"] - safety_margin(limit)
+
+
+def ballast_bytes(before: dict[str, int], expected: int) -> tuple[int, str]:
+  """(bytes, why none): bytes that lift the bytes in use to the peak seen
+  so far, less the variant's expected peak (its compiled footprint) and a
+  margin: the variant's cycle then sets a new high unless it needs less
+  than ``expected - margin``. None (0) where ballast + footprint would not
+  fit under `free_bytes`."""
   margin = max(expected // 16, 16 * MB)
   gap = before["peak_bytes_in_use"] - before["bytes_in_use"]
-  return max(0, gap - expected + margin)
+  want = max(0, gap - expected + margin)
+  free = free_bytes(before)
+  if want and free is not None and want + expected > free:
+    return 0, (
+      f"ballast {want / MB:,.0f} MiB + footprint {expected / MB:,.0f} MiB"
+      f" > {free / MB:,.0f} MiB free (limit less margin)"
+    )
+  return want, ""
+
+
+def timing_bytes(memory: dict[str, dict | None]) -> int:
+  """Live bytes of the interleaved timing: every variant's arguments
+  (params, state, batch; NNX: ours') and the largest temporaries."""
+  compiled = [memory[n] or memory["ours"] for n in VARIANTS]
+  return sum(m["argument"] for m in compiled) + max(m["temp"] for m in compiled)
+
+
+def release(before: set[int]) -> dict[str, Any]:
+  """Frees what a configuration left alive: deletes every array not in
+  `before` (ids), clears JAX's caches; the bytes in use after."""
+  gc.collect()
+  left = [a for a in jax.live_arrays() if id(a) not in before]
+  for array in left:
+    array.delete()
+  count = len(left)
+  del left
+  jax.clear_caches()
+  gc.collect()
+  mem = device_memory()
+  return {"arrays_deleted": count, "bytes_in_use": mem and mem["bytes_in_use"]}
 
 
 def attributed_peak(base: dict[str, int], after: dict[str, int]) -> int | None:
@@ -631,10 +700,13 @@ def probe_memory(variants: Variants, name: str) -> dict[str, Any]:
   if before is None:
     return {"device_peak": None, "attributable": None, "why": "no counters"}
   expected = (variants.memory.get(name) or variants.memory["ours"])["footprint"]
-  out: dict[str, Any] = {"ballast": ballast_bytes(before, expected)}
+  nbytes, why = ballast_bytes(before, expected)
+  out: dict[str, Any] = {"ballast": nbytes}
+  if why:
+    out["no_ballast"] = why
   ballast = []
   try:
-    ballast = allocate_ballast(out["ballast"])
+    ballast = allocate_ballast(nbytes)
   except Exception as exc:  # noqa: BLE001  (recorded, measured without)
     out["ballast_error"] = error_text(exc)
   base = device_memory()
@@ -687,6 +759,15 @@ def measure_config(
       memory[name].update(probe_memory(variants, name))
   result["memory"] = memory
   record(result)
+  need, stats = timing_bytes(variants.memory), device_memory()
+  free = stats and free_bytes(stats)
+  result.update(timing_bytes=need, free_bytes=free)
+  if free is not None and need > free:
+    result["skipped"] = (
+      f"memory: six variants alive need ~{need / MB:,.0f} MiB, the device"
+      f" has {free / MB:,.0f} MiB free (limit less margin); probes only"
+    )
+    return result
 
   steppers = {name: variants.build(name) for name in VARIANTS}
   del variants.problem  # keep only the variants' copies alive
@@ -980,10 +1061,20 @@ def time_lm(batches, cfg, k: int, models, args, clock: Clock) -> dict:
 
 
 def step_configs(args) -> tuple[list, list]:
-  """(optimizer, dtype, size) to run: adam's, then clip_adamw's."""
+  """(optimizer, dtype, size) to run: adam's, then clip_adamw's, those
+  `--only` matches."""
+
+  def kept(configs):
+    return [
+      c
+      for c in configs
+      if not args.only
+      or any(fnmatch.fnmatch("{}:{}:{:g}".format(*c), p) for p in args.only)
+    ]
+
   adam = [("adam", d, s) for s in args.sizes_mb for d in args.dtypes]
   clip = [("clip_adamw", d, s) for s in args.clip_sizes_mb for d in args.dtypes]
-  return adam, clip
+  return kept(adam), kept(clip)
 
 
 def estimate(args, backend: str) -> dict[str, Any]:
@@ -993,8 +1084,9 @@ def estimate(args, backend: str) -> dict[str, Any]:
   configs = len(adam) + len(clip)
   compiles = configs * PROGRAMS_PER_CONFIG
   per_config_timing = args.seconds_per_config + 2.0  # + probes, set-up
-  lm_compiles = 2 * len(args.lm_ks) * len(args.lm_models)
-  lm_timing = len(args.lm_ks) * len(args.lm_models) * (5.0 + args.lm_rounds)
+  lm_runs = 0 if args.no_lm else len(args.lm_ks) * len(args.lm_models)
+  lm_compiles = 2 * lm_runs
+  lm_timing = lm_runs * (5.0 + args.lm_rounds)
   step_s = compiles * COMPILE_S_GUESS[kind] + configs * per_config_timing
   lm_s = lm_compiles * LM_COMPILE_S_GUESS[kind] + lm_timing
   total = STARTUP_S_GUESS + step_s + lm_s
@@ -1097,6 +1189,8 @@ def run_step_section(section, configs, args, clock, results, reserve_s):
       results.save()
 
     results.payload["step"].append(entry)
+    gc.collect()
+    alive = {id(a) for a in jax.live_arrays()}
     try:
       entry.update(
         measure_config(optimizer, dtype, size_mb, args, clock, record)
@@ -1106,8 +1200,10 @@ def run_step_section(section, configs, args, clock, results, reserve_s):
     except Exception as exc:  # noqa: BLE001  (recorded; OOM at the largest)
       entry["error"] = error_text(exc)
       results.error(f"step {label}", exc)
-    finally:
-      gc.collect()
+    if "skipped" in entry:
+      results.skip(f"step {label}", entry["skipped"])
+    entry["released"] = release(alive)
+    log(f"  released: {entry['released']}")
     results.save()
   results.payload["sections"][section] = {
     "configs": len(configs),
@@ -1140,8 +1236,8 @@ def log_config(r: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
   if args.render:
-    source = pathlib.Path(args.render)
-    for path in render(source, pathlib.Path(args.out or source.parent)):
+    sources = [pathlib.Path(p) for p in args.render]
+    for path in render(sources, pathlib.Path(args.out or sources[0].parent)):
       print(f"Wrote {path}")
     return 0
   out = pathlib.Path(args.out or RESULTS_DIR / "gpu")
@@ -1172,7 +1268,7 @@ def main(argv: list[str] | None = None) -> int:
         "step:adam", adam, args, clock, results, reserve_s=lm_est
       ),
     ),
-    ("lm", lambda: run_lm_section(args, clock, results)),
+    ("lm", lambda: args.no_lm or run_lm_section(args, clock, results)),
     (
       "step:clip_adamw",
       lambda: run_step_section(
@@ -1190,7 +1286,7 @@ def main(argv: list[str] | None = None) -> int:
   results.save()
   log(f"done in {clock.elapsed():.0f} s (budget {args.budget_s:.0f} s)")
   try:
-    for path in render(results.path, out):
+    for path in render([results.path], out):
       log(f"wrote {path}")
   except Exception as exc:  # noqa: BLE001  (the JSON stands; --render later)
     results.error("render", exc)
@@ -1212,6 +1308,39 @@ def run_lm_section(args, clock: Clock, results: Results) -> None:
 
 
 # --- Rendering: from the JSON alone. ---------------------------------------
+
+
+def runs_lines(runs: list[dict[str, Any]] | None) -> list[str]:
+  """Merged runs: each run's time; each run's machine where they differ."""
+  if not runs:
+    return []
+  same = all(
+    r[k] == runs[0][k]
+    for r in runs
+    for k in (*SAME_RUN_KEYS, "k", "micro_batch")
+  )
+  lines = [
+    f"Merged from {len(runs)} runs (a later run's configurations replace an"
+    " earlier one's)"
+    + (
+      "; machine, versions, k and batch agree:"
+      if same
+      else "; THEY DIFFER (the header names the last):"
+    ),
+    "",
+  ]
+  for i, r in enumerate(runs, 1):
+    took = f"{r['elapsed_s']:.0f}" if r["elapsed_s"] is not None else "?"
+    what = (
+      ""
+      if same
+      else ", "
+      + ", ".join(f"{k} {r[k]}" for k in (*SAME_RUN_KEYS, "k", "micro_batch"))
+    )
+    lines.append(
+      f"- run {i}: {r['timestamp']}, {took} s of {r['budget_s']:.0f} s{what}"
+    )
+  return [*lines, ""]
 
 
 def _cell(s: dict | None, digits: int = 2, suffix: str = "") -> str:
@@ -1253,10 +1382,13 @@ def render_markdown(payload: dict[str, Any]) -> str:
       f"Run took {payload.get('elapsed_s', 0):.0f} s of a"
       f" {a.get('budget_s', 0):.0f} s budget (estimated"
       f" {est.get('total_s', 0):.0f} s)."
+      if payload.get("complete") and not payload.get("runs")
+      else ""
       if payload.get("complete")
       else "INCOMPLETE: the run was cut short; what it finished is below."
     ),
     "",
+    *runs_lines(payload.get("runs")),
     "## Micro-step and emitting step",
     "",
   ]
@@ -1375,7 +1507,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
   problems += [
     f"- step {r['optimizer']} {r['dtype']} {r['size_mb']:g} MB: did not finish"
     for r in payload.get("step", [])
-    if "ratios" not in r and "error" not in r
+    if not {"ratios", "error", "skipped"} & set(r)
   ]
   problems += [
     f"- LM {e['model']} k={e['k']}: did not finish"
@@ -1430,9 +1562,54 @@ def render_figure(payload: dict[str, Any]):
   return fig
 
 
-def render(source: pathlib.Path, out: pathlib.Path) -> list[pathlib.Path]:
-  """Writes bench_gpu.md and bench_gpu.png from the results file alone."""
-  payload = json.loads(pathlib.Path(source).read_text())
+# What must agree for merged runs to share one header.
+SAME_RUN_KEYS = ("device_kind", "backend", "jax", "jaxlib", "optax", "flax")
+SAME_RUN_KEYS += ("optax_accum", "python")
+
+
+def step_key(r: dict[str, Any]) -> str:
+  return f"step {r['optimizer']} {r['dtype']} {r['size_mb']:g} MB"
+
+
+def merge(payloads: list[dict[str, Any]]) -> dict[str, Any]:
+  """One payload from several runs: a later run's step configuration or LM
+  (model, k) replaces an earlier one's in place, and its skips and errors
+  replace the earlier ones about it."""
+  if len(payloads) == 1:
+    return payloads[0]
+  steps, lms, problems = {}, {}, {"skipped": [], "errors": []}
+  for p in payloads:
+    new = {step_key(r): r for r in p.get("step", [])}
+    new.update({f"LM {e['model']} k={e['k']}": e for e in p.get("lm", [])})
+    new.update({s["what"]: None for s in p.get("skipped", [])})
+    new.update({e["where"]: None for e in p.get("errors", [])})
+    for kind, key in (("skipped", "what"), ("errors", "where")):
+      problems[kind] = [e for e in problems[kind] if e[key] not in new]
+      problems[kind] += p.get(kind, [])
+    steps.update({step_key(r): r for r in p.get("step", [])})
+    lms.update({(e["model"], e["k"]): e for e in p.get("lm", [])})
+  run_keys = ("timestamp", *SAME_RUN_KEYS)
+  return {
+    **payloads[-1],
+    **problems,
+    "step": list(steps.values()),
+    "lm": list(lms.values()),
+    "complete": all(p.get("complete") for p in payloads),
+    "runs": [
+      {
+        **{k: p.get("machine", {}).get(k) for k in run_keys},
+        **{k: p["args"].get(k) for k in ("budget_s", "k", "micro_batch")},
+        "elapsed_s": p.get("elapsed_s"),
+      }
+      for p in payloads
+    ],
+  }
+
+
+def render(sources: list[pathlib.Path], out: pathlib.Path) -> list:
+  """Writes bench_gpu.md and bench_gpu.png from the results files alone
+  (several: `merge`d)."""
+  payload = merge([json.loads(pathlib.Path(s).read_text()) for s in sources])
   out.mkdir(parents=True, exist_ok=True)
   md, png = out / f"{NAME}.md", out / f"{NAME}.png"
   md.write_text(render_markdown(payload))

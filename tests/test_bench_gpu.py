@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -211,6 +212,7 @@ def test_a_failing_configuration_is_recorded_and_the_run_goes_on(
     "step clip_adamw bfloat16 0.0625 MB",
   ]
   assert "RESOURCE_EXHAUSTED" in payload["step"][0]["error"]
+  assert payload["step"][2].pop("released")["arrays_deleted"] == 0
   assert payload["step"][2] == {
     "optimizer": "adam",
     "dtype": "float32",
@@ -239,11 +241,15 @@ def test_a_tight_budget_skips_and_says_so(bench_gpu, monkeypatch, tmp_path):
 class FakeDevice:
   """Bytes in use and their peak, as a GPU allocator counts them."""
 
-  def __init__(self, in_use: int, peak: int):
-    self.in_use, self.peak = in_use, peak
+  def __init__(self, in_use: int, peak: int, limit: int = 76 * 2**30):
+    self.in_use, self.peak, self.limit = in_use, peak, limit
 
   def stats(self):
-    return {"bytes_in_use": self.in_use, "peak_bytes_in_use": self.peak}
+    return {
+      "bytes_in_use": self.in_use,
+      "peak_bytes_in_use": self.peak,
+      "bytes_limit": self.limit,
+    }
 
   def allocate(self, nbytes: int) -> "Held":
     self.in_use += nbytes
@@ -366,3 +372,145 @@ def test_a_run_cut_short_renders_what_it_finished(smoke, bench_gpu):
   assert "- LM gpu k=8: did not finish" in page
   assert "| adam, float32, 0.0625 MB |" in page  # the finished ones stay
   bench_gpu.render_figure(payload)
+
+
+def test_probe_never_fills_the_device(bench_gpu, monkeypatch):
+  """A peak near the limit (the interleaved timing of a large
+  configuration) would need a ballast that does not fit: none is taken, the
+  reason is recorded, and the device stays under its limit less margin."""
+  device = FakeDevice(1 * GiB, 74 * GiB, limit=76 * GiB)
+  monkeypatch.setattr(bench_gpu, "device_memory", device.stats)
+  monkeypatch.setattr(
+    bench_gpu, "allocate_ballast", lambda n: [device.allocate(n)]
+  )
+  variants = FakeVariants(device, 2 * GiB, 1 * GiB, 3 * GiB)
+  out = bench_gpu.probe_memory(variants, "ours")
+  assert out["ballast"] == 0 and "MiB free" in out["no_ballast"]
+  assert out["device_peak"] is None  # no new high: not attributed
+  assert device.peak == 74 * GiB and device.in_use == 1 * GiB
+  # Just under the cap, it is taken: the peak stays under limit - margin.
+  device = FakeDevice(1 * GiB, 66 * GiB, limit=76 * GiB)
+  monkeypatch.setattr(bench_gpu, "device_memory", device.stats)
+  variants = FakeVariants(device, 2 * GiB, 1 * GiB, 3 * GiB)
+  out = bench_gpu.probe_memory(variants, "ours")
+  assert out["ballast"] > 60 * GiB and "no_ballast" not in out
+  assert out["device_peak"] == 3 * GiB
+  assert device.peak <= 76 * GiB - bench_gpu.safety_margin(76 * GiB)
+
+
+def fake_config(calls, leak=None):
+  def measure_config(optimizer, dtype, size_mb, *args):
+    calls.append((optimizer, dtype, size_mb))
+    if leak is not None:  # an array a failed configuration's frames hold
+      leak.append(jnp.ones((1024,)))
+      raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory (planted)")
+    return {"planted": True}
+
+  return measure_config
+
+
+def test_only_and_no_lm_select_what_runs(bench_gpu, monkeypatch, tmp_path):
+  calls = []
+  monkeypatch.setattr(bench_gpu, "measure_config", fake_config(calls))
+  monkeypatch.setattr(bench_gpu, "measure_lm", None)  # must not be called
+  monkeypatch.setattr(bench_gpu, "render", lambda *a: [])
+  only = "adam:bfloat16:0.25,clip_adamw:*:0.0625"
+  argv = ["--smoke", "--only", only, "--no-lm", "--out", str(tmp_path)]
+  assert bench_gpu.main(argv) == 0
+  assert calls == [
+    ("adam", "bfloat16", 0.25),
+    ("clip_adamw", "float32", 0.0625),
+    ("clip_adamw", "bfloat16", 0.0625),
+  ]
+  payload = json.loads((tmp_path / "bench_gpu.json").read_text())
+  assert payload["errors"] == [] and payload["lm"] == []
+  assert "lm" not in payload["sections"]
+  assert payload["estimate"]["compiles"] == 3 * 8
+  assert payload["estimate"]["lm_compiles"] == 0
+
+
+def test_error_path_frees_what_the_configuration_left(
+  bench_gpu, monkeypatch, tmp_path
+):
+  kept = jnp.ones((8,))  # alive before the run: left alone
+  calls, leak = [], []
+  monkeypatch.setattr(bench_gpu, "measure_config", fake_config(calls, leak))
+  monkeypatch.setattr(bench_gpu, "render", lambda *a: [])
+  argv = ["--smoke", "--only", "adam:*:0.0625", "--no-lm"]
+  assert bench_gpu.main([*argv, "--out", str(tmp_path)]) == 0
+  payload = json.loads((tmp_path / "bench_gpu.json").read_text())
+  assert len(payload["errors"]) == 2 and len(leak) == 2
+  assert all(a.is_deleted() for a in leak)
+  assert not kept.is_deleted()
+  for r in payload["step"]:
+    assert r["released"]["arrays_deleted"] >= 1
+    assert r["released"]["bytes_in_use"] is None  # CPU: no counters
+
+
+def test_a_timing_that_does_not_fit_is_skipped_before_allocating(
+  bench_gpu, monkeypatch, tmp_path
+):
+  """All six variants' arguments must fit the free bytes (limit less
+  margin), checked after compiling, before any state is built for it."""
+  limit = bench_gpu.safety_margin(0) + 4 * MiB  # room for ~4 MiB
+  stats = {"bytes_in_use": 0, "peak_bytes_in_use": 0, "bytes_limit": limit}
+  monkeypatch.setattr(bench_gpu, "device_memory", lambda: dict(stats))
+
+  def time_cycle(*a):
+    raise AssertionError("timed a configuration that does not fit")
+
+  monkeypatch.setattr(bench_gpu, "time_cycle", time_cycle)
+  monkeypatch.setattr(bench_gpu, "render", lambda *a: [])
+  argv = ["--smoke", "--no-memory-probe", "--no-lm", "--out", str(tmp_path)]
+  assert bench_gpu.main([*argv, "--only", "adam:float32:0.25"]) == 0
+  payload = json.loads((tmp_path / "bench_gpu.json").read_text())
+  assert payload["errors"] == []
+  (large,) = payload["step"]
+  need = bench_gpu.timing_bytes(
+    {n: m["compiled"] for n, m in large["memory"].items()}
+  )
+  assert need > 4 * MiB and "times_ms" not in large
+  assert large["skipped"].startswith("memory: six variants alive need")
+  page = bench_gpu.render_markdown(payload)
+  assert "- skipped step adam float32 0.25 MB: memory:" in page
+  assert "did not finish" not in page
+
+
+def test_render_merges_runs(smoke, bench_gpu, tmp_path):
+  """A second, short run fills the first run's gaps: its configurations
+  replace the failed ones in place, the rest stay, and each run is named."""
+  first = json.loads((smoke[0] / "bench_gpu.json").read_text())
+  fixed = first["step"][3]  # adam bfloat16 0.25
+  second = {
+    **first,
+    "step": [fixed],
+    "lm": [],
+    "skipped": [],
+    "errors": [],
+    "machine": {**first["machine"], "jax": "9.9.9"},
+    "elapsed_s": 12.0,
+  }
+  first["step"][3] = {k: fixed[k] for k in ("optimizer", "dtype", "size_mb")}
+  first["step"][3]["error"] = "RESOURCE_EXHAUSTED (planted)"
+  where = "step adam bfloat16 0.25 MB"
+  first["errors"] = [{"where": where, "error": "RESOURCE_EXHAUSTED"}]
+  paths = [tmp_path / "a.json", tmp_path / "b.json"]
+  for path, payload in zip(paths, (first, second), strict=True):
+    path.write_text(json.dumps(payload))
+  argv = ["--render", *map(str, paths), "--out", str(tmp_path / "page")]
+  assert bench_gpu.main(argv) == 0
+  page = (tmp_path / "page" / "bench_gpu.md").read_text()
+  rows = re.findall(r"^\| (adam|clip_adamw), (\w+), ([\d.]+) MB \|", page, re.M)
+  assert rows[:6] == [
+    ("adam", "float32", "0.0625"),
+    ("adam", "bfloat16", "0.0625"),
+    ("adam", "float32", "0.25"),
+    ("adam", "bfloat16", "0.25"),
+    ("clip_adamw", "float32", "0.0625"),
+    ("clip_adamw", "bfloat16", "0.0625"),
+  ]
+  assert "RESOURCE_EXHAUSTED" not in page and "## Skipped" not in page
+  assert "| tiny (d=32" in page  # the first run's LM stays
+  assert "Merged from 2 runs" in page and "THEY DIFFER" in page
+  assert "jax 9.9.9" in page and f"jax {first['machine']['jax']}" in page
+  assert "- run 2: " in page and "12 s of" in page
