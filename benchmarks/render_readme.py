@@ -47,7 +47,8 @@ def _spread(s: dict[str, Any] | None, digits: int = 2, suffix: str = "") -> str:
   if not s or s.get("median") is None:
     return "-"
   text = f"{s['median']:.{digits}f}{suffix}"
-  if len(s["values"]) > 1:
+  # bench_gpu's spreads carry their count, the others their values.
+  if s.get("n", len(s.get("values", ()))) > 1:
     text += f" ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
   return text
 
@@ -537,6 +538,51 @@ def performance(payloads: dict[str, dict[str, Any]]) -> str:
   )
 
 
+def gpu(payloads: dict[str, dict[str, Any]]) -> str:
+  """The step timed on a GPU (bench_gpu.py), its runs merged: what a
+  micro-step costs over the floor and against ``optax.MultiSteps``."""
+  # A later run's configuration replaces an earlier one's (as
+  # bench_gpu.merge, which the full page uses; not imported: it needs jax).
+  steps = {}
+  for run in payloads.values():
+    steps.update(
+      {(r["optimizer"], r["dtype"], r["size_mb"]): r for r in run["step"]}
+    )
+  payload = {**list(payloads.values())[-1], "step": list(steps.values())}
+  rows = [
+    [
+      f"{r['optimizer']}, {r['dtype']}, {r['size_mb']:,g} MB",
+      _spread(r["ratios"]["micro_vs_floor"]["ours"]),
+      f"{r['ratios']['ours_minus_floor_micro_ms']['median'] * 1e3:.0f}",
+      _spread(r["ratios"]["micro_vs_floor"]["static"]),
+      _spread(r["ratios"]["multisteps_vs_ours_micro"], suffix="x"),
+      _spread(r["ratios"]["multisteps_vs_ours_per_call"], suffix="x"),
+    ]
+    for r in sorted(
+      payload["step"],
+      key=lambda r: (r["optimizer"], r["dtype"], r["size_mb"]),
+    )
+    if r.get("ratios")
+  ]
+  m = payload["machine"]
+  return (
+    f"Timed on one {m['device_kind']} ({m['backend']}, jax {m['jax']},"
+    f" {m['timestamp'][:10]}, `benchmarks/gpu.sh`): median (min-max) over"
+    f" interleaved rounds, k={payload['args']['k']}.\n\n"
+    + _table(
+      [
+        "inner, params",
+        "micro-step / floor",
+        "µs over floor",
+        "`emit=False` / floor",
+        "`MultiSteps` micro-step / ours",
+        "`MultiSteps` per call / ours",
+      ],
+      rows,
+    )
+  )
+
+
 def bench_plan(payload: dict[str, Any]) -> str:
   """The planner's choice against every candidate compiled."""
   rows = [
@@ -586,6 +632,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
   "bench_flax_mesh": bench_flax_mesh,
   "wire_dtype": wire_dtype,
   "performance": performance,
+  "gpu": gpu,
 }
 # Where each block's JSON is, when not RESULTS / f"{name}.json".
 SOURCES = {
@@ -596,6 +643,11 @@ SOURCES = {
   "performance": tuple(
     RESULTS / f"{n}.json"
     for n in ("bench_step", "bench_comm", "bench_compiled")
+  ),
+  # Both GPU runs, merged (the second filled the first's gaps).
+  "gpu": (
+    RESULTS / "gpu" / "bench_gpu.json",
+    RESULTS / "gpu" / "run2" / "bench_gpu.json",
   ),
 }
 
@@ -611,7 +663,14 @@ def render(text: str, results: Path = RESULTS) -> str:
     if missing:
       body = f"(no `{missing[0]}` yet: run `make bench`)\n"
     elif isinstance(path, tuple):
-      body = RENDERERS[name]({p.stem: json.loads(p.read_text()) for p in paths})
+      # Keyed by file name, or by path where names repeat (runs of one
+      # script), in the order SOURCES gives.
+      keys = [p.stem for p in paths]
+      if len(set(keys)) < len(keys):
+        keys = [str(p.relative_to(RESULTS)) for p in paths]
+      body = RENDERERS[name](
+        {k: json.loads(p.read_text()) for k, p in zip(keys, paths, strict=True)}
+      )
     else:
       body = RENDERERS[name](json.loads(path.read_text()))
     return f"{match.group(1)}{body}{match.group(4)}"
