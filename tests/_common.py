@@ -60,6 +60,10 @@ def accel_env() -> dict[str, str]:
       " --target DIR $(python -m optax_accum.targets)`."
     )
   env = dict(os.environ)
+  # A program compiled for a deviceless target cannot be read back from the
+  # persistent cache (jax 0.10.2: "PjRtCompiler must be constructed with a
+  # Client to call DeserializeLoadedExecutable"): no cache there.
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
   env.update(
     JAX_PLATFORMS="cpu",  # compile only: no TPU or GPU is looked for
     PYTHONPATH=os.pathsep.join([str(accel), str(REPO)]),

@@ -4,11 +4,36 @@ Eight simulated CPU devices for the sharding tests, and strict JAX: implicit
 rank promotion raises. Both are JAX configuration set before any backend
 starts; nothing here edits ``XLA_FLAGS``, so subprocesses the tests start
 get the environment they choose (one CPU device unless they say otherwise).
+
+One persistent compilation cache for the run, in the running venv
+(``.venv/jax-cache``; ``make clean`` removes it): the suite builds many
+transformations whose steps compile to the same program (a fresh ``tx`` per
+test, the same step in several processes), and XLA compiles each program
+once. Through the environment, so that the CPU subprocesses the tests start
+share it; ``JAX_COMPILATION_CACHE_DIR`` set (empty: no cache) wins. The
+processes that compile for an accelerator without the device do not use it
+(``_common.accel_env``).
 """
 
-import jax
-import pytest
-from _common import MODES
+import os
+import pathlib
+import sys
+
+_CACHE = os.environ.setdefault(
+  "JAX_COMPILATION_CACHE_DIR", str(pathlib.Path(sys.prefix) / "jax-cache")
+)
+# Every program, however small or quick: most of the suite's are both.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+import jax  # noqa: E402  (after the cache's environment)
+import pytest  # noqa: E402
+from _common import MODES  # noqa: E402
+
+# Also when a plugin imported jax before this file read the environment.
+jax.config.update("jax_compilation_cache_dir", _CACHE or None)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 NUM_CPU_DEVICES = 8
 
