@@ -389,3 +389,34 @@ def test_from_multisteps_honours_every_k(maybe_jit, calls, target_k):
     theirs.append(bool(old.has_updated(ms_state)))
     np.testing.assert_allclose(out, old_out, rtol=1e-6)
   assert ours == theirs == [i == 4 for i in range(calls, 5)]
+
+
+# ---------------------------------------------------------------------------
+# Found while writing these: a zero-weight micro-batch under gradients="sum".
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason=(
+    "issue 37 finding: with gradients='sum' a weight-0 micro-batch's"
+    " gradient is added as is, so a NaN there reaches the cycle (with"
+    " skip_nonfinite=True too: accept() exempts weight 0 from the finite"
+    " check because the 'mean' add masks it, but the 'sum' add does not),"
+    " against the documented rule that a weight-0 micro-batch contributes"
+    " nothing, even a NaN or Inf gradient"
+  ),
+)
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+def test_a_zero_weight_summed_gradient_contributes_nothing(
+  maybe_jit, skip_nonfinite
+):
+  tx = optax_accum.accumulate(
+    _identity(), 2, gradients="sum", skip_nonfinite=skip_nonfinite
+  )
+  params = jnp.zeros(2)
+  update = maybe_jit(tx.update)
+  state = tx.init(params)
+  _, state = update(jnp.array([2.0, 4.0]), state, params, weight=2.0)
+  out, state = update(jnp.array([jnp.nan, 1.0]), state, params, weight=0.0)
+  np.testing.assert_array_equal(out, jnp.array([1.0, 2.0]))
