@@ -119,6 +119,7 @@ class Config:
 
 CONFIGS = {
   "k1_inner_alone": Config(1, "adam"),
+  "k1_inner_alone_extra_args": Config(1, "value"),
   "k1_weights_flush_skip": Config(
     1, "sgd", weighted=True, flush=True, skip=True
   ),

@@ -357,6 +357,8 @@ def test_from_multisteps_keeps_has_updated(maybe_jit, calls):
   state = ms.from_multisteps(ms_state, tx.init(params))
   assert bool(optax_accum.has_updated(state)) == bool(old.has_updated(ms_state))
   assert bool(optax_accum.has_updated(state)) == (calls in (2, 4))
+  # MultiSteps counts no weight: k per update so far.
+  assert float(optax_accum.weight_seen(state)) == 2 * (calls // 2)
 
 
 @pytest.mark.parametrize("calls", [2, 3])  # at a boundary; mid-cycle

@@ -21,6 +21,7 @@ Usage::
   python tools/mutants.py -j 2            # two copies side by side
   python tools/mutants.py issue-1 flush   # names, or substrings of them
   python tools/mutants.py --list
+  python tools/mutants.py --tests tests/test_differential.py issue-1
 """
 
 import argparse
@@ -29,6 +30,7 @@ import dataclasses
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -156,6 +158,326 @@ MUTANTS = [
 ]
 
 
+MUTANTS += [
+  # -- Weights, sums and the mean. -----------------------------------------
+  _m(
+    "weight ignored in the add",
+    "_cycle.py",
+    "weight=micro.weight if scale else None, keep=keep",
+    "weight=None, keep=keep",
+    [DIFF, "-k", "k3 and not nojit"],
+    "weight=n: every micro-batch counts once in the sum",
+  ),
+  _m(
+    "total weight counts micro-batches",
+    "_cycle.py",
+    "weight=weight + jnp.where(micro.accepted, micro.weight, 0.0),",
+    "weight=weight + jnp.where(micro.accepted, 1.0, 0.0),",
+    [DIFF, "-k", "k3 and not nojit"],
+    "weight=n: the sum divided by the number of micro-batches",
+  ),
+  _m(
+    "extra arguments dropped on emitting calls",
+    "_cycle.py",
+    "step.inner.update(grad, state, params, **step.extra_args)",
+    "step.inner.update(grad, state, params)",
+    [EDGES, "-k", "extra_arguments"],
+    "update(..., value=v): inner raises a TypeError",
+  ),
+  _m(
+    "reduction='sum' divides anyway",
+    "_cycle.py",
+    'if step.config.reduction == "mean":',
+    "if True:",
+    [DIFF, "-k", "sum_reduction and not nojit"],
+    'reduction="sum" emits the mean',
+  ),
+  _m(
+    "zero-weight NaN multiplies instead of selecting",
+    "_tree.py",
+    "term = ops.select(keep, term, ops.zero(term))",
+    "term = term * keep.astype(term.dtype)",
+    [ACC, "-k", "zero_weight_micro_batch"],
+    "the 0/0 mean of an all-padding micro-batch poisons the cycle",
+  ),
+  _m(
+    "emitted updates in the accumulator's dtype",
+    "_cycle.py",
+    "lambda b, t: jnp.where(emitted, b.astype(t.dtype), 0),",
+    "lambda b, t: jnp.where(emitted, b, 0),",
+    [ACC, "-k", "dtypes_match"],
+    "bf16 params: the updates come back float32",
+  ),
+  _m(
+    "inner sees the accumulator's dtype",
+    "_cycle.py",
+    "    return a.astype(g.dtype)\n",
+    "    return a\n",
+    [ACC, "-k", "dtypes_match or inner_state_takes"],
+    "bf16 gradients: inner gets float32 ones (other updates and state)",
+  ),
+  # -- Counters and the cycle's end. -------------------------------------------
+  _m(
+    "flush ignored",
+    "_cycle.py",
+    "end=(micro_step >= state.every_k) | micro.flush,",
+    "end=(micro_step >= state.every_k),",
+    [DIFF, "-k", "k3 and not nojit"],
+    "flush=True does not end the partial window",
+  ),
+  _m(
+    "cycle ends one micro-batch late",
+    "_cycle.py",
+    "end=(micro_step >= state.every_k) | micro.flush,",
+    "end=(micro_step > state.every_k) | micro.flush,",
+    [DIFF, "-k", "k1_inner and jit"],
+    "every_k=k: an update every k + 1 calls",
+  ),
+  _m(
+    "skipped micro-batch counts toward k",
+    "_cycle.py",
+    "micro_step = state.micro_step + micro.accepted.astype(jnp.int32)",
+    "micro_step = state.micro_step + 1",
+    [DIFF, "-k", "k3 and not nojit"],
+    "skip_nonfinite: a dropped micro-batch shortens the cycle",
+  ),
+  _m(
+    "step counts weightless cycles",
+    "_accumulate.py",
+    "step = jnp.where(end.emitted, optax.safe_increment(state.step),"
+    " state.step)",
+    "step = jnp.where(end.cycle_end, optax.safe_increment(state.step),"
+    " state.step)",
+    [DIFF, "-k", "k3 and not nojit"],
+    "a cycle of weight 0 advances the optimizer step (and schedules)",
+  ),
+  _m(
+    "micro_step kept after a weightless end",
+    "_accumulate.py",
+    "micro_step=jnp.where(end.cycle_end, 0, cycle.micro_step),",
+    "micro_step=jnp.where(end.emitted, 0, cycle.micro_step),",
+    [DIFF, "-k", "k3 and not nojit"],
+    "after a weightless cycle the counter runs on past k",
+  ),
+  _m(
+    "num_skipped counts accepted micro-batches",
+    "_accumulate.py",
+    "micro.accepted,\n      state.num_skipped,\n"
+    "      optax.safe_increment(state.num_skipped),",
+    "micro.accepted,\n      optax.safe_increment(state.num_skipped),\n"
+    "      state.num_skipped,",
+    [DIFF, "-k", "k3 and not nojit"],
+    "num_skipped counts the good micro-batches",
+  ),
+  _m(
+    "weight_seen counts micro-batches",
+    "_accumulate.py",
+    "_every_k.add_weight_seen(state.weight_seen, end.cycle_weight),",
+    "_every_k.add_weight_seen(\n"
+    "      state.weight_seen, cycle.micro_step.astype(jnp.float32)\n    ),",
+    [DIFF, "-k", "k3 and not nojit"],
+    "weight_seen (tokens trained on) counts micro-batches",
+  ),
+  _m(
+    "weight_seen uncompensated",
+    "_every_k.py",
+    "lost = (new_total - total) - y",
+    "lost = 0.0 * y",
+    [EVERY_K, "-k", "compensated"],
+    "past 2**24 tokens, weight_seen stops moving",
+  ),
+  # -- Options: skip_nonfinite, the pass-through, schedules. -------------------
+  _m(
+    "skip_nonfinite off",
+    "_cycle.py",
+    "  if config.skip_nonfinite:\n    # A zero-weight",
+    "  if False:\n    # A zero-weight",
+    [DIFF, "-k", "k3 and not nojit"],
+    "skip_nonfinite=True: a NaN micro-batch reaches inner",
+  ),
+  _m(
+    "zero-weight NaN dropped by skip_nonfinite",
+    "_cycle.py",
+    "accepted = jnp.isfinite(weight) & (finite | (weight == 0))",
+    "accepted = jnp.isfinite(weight) & finite",
+    [ACC, "-k", "zero_weight_micro_batch"],
+    "an all-padding micro-batch is skipped: no longer counts toward k",
+  ),
+  _m(
+    "k=1 pass-through ignores weights",
+    "_accumulate.py",
+    "    and call.weight is None\n",
+    "",
+    [DIFF, "-k", "k1_weights and jit"],
+    "every_k=1 with weight=0: the gradient is applied anyway",
+  ),
+  _m(
+    "k=1 pass-through ignores skip_nonfinite",
+    "_accumulate.py",
+    "    and not config.skip_nonfinite\n",
+    "",
+    [DIFF, "-k", "k1_weights and jit"],
+    "every_k=1 with skip_nonfinite: a NaN gradient reaches inner",
+  ),
+  _m(
+    "schedule called with the step before the update",
+    "_every_k.py",
+    "return _scheduled(spec, step, _state.total_of(weight_seen)), grow_state",
+    "return (\n    _scheduled(spec, step - 1, _state.total_of(weight_seen)),\n"
+    "    grow_state,\n  )",
+    [DIFF, "-k", "schedule and not nojit"],
+    "every_k(step): each cycle gets the previous cycle's k",
+  ),
+  _m(
+    "schedule of the weight seen reads it before the cycle",
+    "_accumulate.py",
+    "step=step,\n    weight_seen=weight_seen,\n    noise=end.noise,",
+    "step=step,\n    weight_seen=state.weight_seen,\n    noise=end.noise,",
+    [DIFF, "-k", "seen_schedule and not nojit"],
+    "piecewise_every_k switches one cycle late",
+  ),
+  # -- The ends: traced, emit=, the backend forms. -----------------------------
+  _m(
+    "traced end runs inner on a weightless cycle",
+    "_cycle.py",
+    "return cycle.end & ~(cycle.weight <= 0)",
+    "return cycle.end",
+    [EDGES, "-k", "weightless"],
+    "a cycle of weight 0 steps Adam and reports an update",
+  ),
+  _m(
+    "emit=True emits a weightless cycle",
+    "_cycle.py",
+    "emitted = jnp.asarray(True) if weight_checked else ~(weight <= 0)",
+    "emitted = jnp.asarray(True)",
+    [DIFF, "-k", "emit_k3 and not nojit"],
+    "emit=True on a cycle of weight 0: has_updated, step += 1",
+  ),
+  _m(
+    "CPU own-buffer end steps inner on a weightless cycle",
+    "_backend.py",
+    "cpu=lambda *o: _control.run_if_weighted(emitted, run, skip, emitted, *o),",
+    "cpu=lambda *o: run(emitted, *o),",
+    [EDGES, "-k", "weightless"],
+    "bf16 accumulator, weightless cycle: Adam's count moves",
+  ),
+  _m(
+    "acc_weight kept after a cycle ends",
+    "_backend.py",
+    "return jnp.where(cycle_end, 0.0, total_weight)",
+    "return total_weight",
+    [DIFF, "-k", "k3 and not nojit"],
+    "the next cycle starts with the last one's weight",
+  ),
+  _m(
+    "own-buffer end keeps acc_weight",
+    "_cycle.py",
+    "acc_weight = jnp.where(cycle.end, 0.0, decision.weight)",
+    "acc_weight = decision.weight",
+    [DIFF, "-k", "own_buffer and not nojit"],
+    "bf16 accumulator: every other cycle is lost",
+  ),
+  _m(
+    "emit=True keeps acc_weight",
+    "_cycle.py",
+    "acc_weight=jnp.zeros_like(cycle.weight),",
+    "acc_weight=cycle.weight,",
+    [DIFF, "-k", "emit_k3 and not nojit"],
+    "after emit=True the next cycle is lost",
+  ),
+  _m(
+    "0.1 CPU leftovers not recognised",
+    "_backend.py",
+    "weight = jnp.where(left_by_v01, -jnp.inf, state.acc_weight)",
+    "weight = state.acc_weight",
+    [FORMS, "-k", "v01_cpu_state_costs"],
+    "a 0.1 checkpoint's leftover update joins the next one",
+  ),
+  _m(
+    "apply_updates skips a static emitting call",
+    "_apply.py",
+    "return optax.apply_updates(params, updates) if record.emitted else params",
+    "return params",
+    [STATIC, "-k", "equals_the_traced_run"],
+    "emit=True: the params never move",
+  ),
+  # -- The noise scale. ---------------------------------------------------------
+  _m(
+    "noise counts zero-weight samples",
+    "_noise_scale.py",
+    "counted = accepted & (weight > 0)\n  norm",
+    "counted = accepted\n  norm",
+    [DIFF, "-k", "k3 and not nojit"],
+    "padding micro-batches bias the noise scale",
+  ),
+  _m(
+    "noise trace divided by m",
+    "_noise_scale.py",
+    "safe_count = jnp.where(valid, count - 1, 1.0)",
+    "safe_count = jnp.where(valid, count, 1.0)",
+    [EDGES, "-k", "closed_form"],
+    "tr(Sigma) biased low by (m - 1) / m",
+  ),
+  _m(
+    "noise |G|^2 not debiased",
+    "_noise_scale.py",
+    "grad_sq = mean_sq_norm - trace / safe_weight",
+    "grad_sq = mean_sq_norm",
+    [EDGES, "-k", "closed_form"],
+    "|G|^2 biased high by tr(Sigma) / W",
+  ),
+  _m(
+    "noise folds one-sample cycles",
+    "_noise_scale.py",
+    "valid = (count >= 2) & (total_weight > 0)",
+    "valid = (count >= 1) & (total_weight > 0)",
+    [NOISE, "-k", "single_micro_batch or nan_until"],
+    "a flushed cycle of one micro-batch gives an Inf/NaN estimate",
+  ),
+  # -- Migration and the Flax drop-ins. ------------------------------------------
+  _m(
+    "from_multisteps keeps the running mean as the sum",
+    "multisteps.py",
+    "scale = n.astype(jnp.float32) if use_grad_mean else jnp.float32(1)",
+    "scale = jnp.float32(1)",
+    [MULTI[1], "-k", "continues_under_accumulate"],
+    "a converted mid-cycle run loses (n - 1) / n of the partial sum",
+  ),
+  _m(
+    "from_multisteps weight_seen counts updates",
+    "multisteps.py",
+    "jnp.stack([(step * k).astype(jnp.float32), jnp.float32(0)])",
+    "jnp.stack([step.astype(jnp.float32), jnp.float32(0)])",
+    [EDGES, "-k", "keeps_has_updated"],
+    "token schedules restart after a conversion",
+  ),
+  _m(
+    "to_multisteps hands the sum as the mean",
+    "multisteps.py",
+    "acc = jax.tree.map(lambda a: (a * inv).astype(a.dtype), state.acc_grads)",
+    "acc = state.acc_grads",
+    [MULTI[1], "-k", "continues_under_multisteps"],
+    "going back mid-cycle: the partial sum counted n times",
+  ),
+  _m(
+    "linen TrainState drops weight",
+    "flax/_linen.py",
+    'options["weight"] = weight',
+    "pass",
+    [DIFF, "-k", "linen and jit"],
+    "TrainState.apply_gradients(weight=n) averages unweighted",
+  ),
+  _m(
+    "nnx Optimizer drops keyword arguments",
+    "flax/_nnx.py",
+    "grads, opt_state, params, **nnx.as_pure(kwargs)",
+    "grads, opt_state, params",
+    [DIFF, "-k", "nnx and jit"],
+    "Optimizer.update(weight=, emit=) ignored",
+  ),
+]
+
+
 # ----------------------------------------------------------------------------
 # Running them.
 # ----------------------------------------------------------------------------
@@ -252,8 +574,16 @@ def main(argv=None) -> int:
   parser.add_argument("--timeout", type=float, default=600.0)
   parser.add_argument("--list", action="store_true")
   parser.add_argument("--no-baseline", action="store_true")
+  parser.add_argument(
+    "--tests",
+    help="run every chosen mutant against these pytest arguments instead"
+    " of its own (e.g. 'tests/test_differential.py -k \"not nojit\"')",
+  )
   args = parser.parse_args(argv)
   mutants = _select(args.names)
+  if args.tests:
+    tests = tuple(shlex.split(args.tests))
+    mutants = [dataclasses.replace(m, tests=tests) for m in mutants]
   if args.list:
     for m in mutants:
       print(f"{m.name}\n  {m.path}: {m.why}\n  tests: {' '.join(m.tests)}")
