@@ -561,7 +561,12 @@ def _run_one(mutant: Mutant, root: pathlib.Path, timeout: float) -> dict:
 def _select(names: list[str]) -> list[Mutant]:
   if not names:
     return MUTANTS
-  chosen = [m for m in MUTANTS if any(n in m.name for n in names)]
+  ids = {m.name.split()[0] for m in MUTANTS}
+
+  def chosen_by(n: str, m: Mutant) -> bool:  # an id ("issue-1"), or a substring
+    return m.name.split()[0] == n if n in ids else n in m.name
+
+  chosen = [m for m in MUTANTS if any(chosen_by(n, m) for n in names)]
   if not chosen:
     raise SystemExit(f"no mutant matches {names}")
   return chosen
@@ -569,7 +574,9 @@ def _select(names: list[str]) -> list[Mutant]:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("names", nargs="*", help="mutants (name substrings)")
+  parser.add_argument(
+    "names", nargs="*", help="mutants: ids (issue-1) or name substrings"
+  )
   parser.add_argument("-j", "--jobs", type=int, default=1)
   parser.add_argument("--timeout", type=float, default=600.0)
   parser.add_argument("--list", action="store_true")
