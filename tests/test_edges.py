@@ -282,7 +282,7 @@ def _noise_gradients():
   return [NOISE_G + e for e in es], grad_sq, trace
 
 
-@pytest.mark.parametrize("cycles", [1, 2, 3])
+@pytest.mark.parametrize("cycles", [1, 3])
 @pytest.mark.parametrize("gradients", ["mean", "sum"])
 @pytest.mark.parametrize("end", ENDS)
 def test_noise_scale_matches_its_closed_form(maybe_jit, gradients, end, cycles):
