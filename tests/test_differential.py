@@ -121,6 +121,9 @@ class Config:
 CONFIGS = {
   "k1_inner_alone": Config(1, "adam"),
   "k1_inner_alone_extra_args": Config(1, "value"),
+  # k = 1 with one option each: not the pass-through.
+  "k1_weighted": Config(1, "sgd", weighted=True),
+  "k1_skip": Config(1, "adam", skip=True),
   "k1_weights_flush_skip": Config(
     1, "sgd", weighted=True, flush=True, skip=True
   ),
@@ -185,7 +188,9 @@ def _draw(config: Config, rng: np.random.Generator) -> Call:
     choices = (
       BF16_WEIGHTS if config.accumulator_dtype != jnp.float32 else WEIGHTS
     )
-    weight = float(rng.choice(choices))
+    # Zero one time in four: weightless cycles (ended by k, flush or emit)
+    # are drawn in every row.
+    weight = 0.0 if rng.random() < 0.25 else float(rng.choice(choices[1:]))
     if weight == 0 and config.gradients == "mean" and rng.random() < 0.3:
       grads["w"][0, 0] = np.nan  # the 0/0 mean of an all-padding batch
   if config.skip and rng.random() < 0.2:
@@ -200,7 +205,7 @@ def _draw(config: Config, rng: np.random.Generator) -> Call:
     grads = {n: np.zeros_like(g) for n, g in grads.items()}
   emit = None
   if config.emit:
-    emit = [None, None, False, True][rng.integers(4)]
+    emit = [None, False, True, True][rng.integers(4)]
   flush = bool(config.flush and emit is None and rng.random() < 0.2)
   value = float(rng.choice([0.5, 1.0, 2.0]))
   return Call(grads, weight, flush, emit, value)

@@ -230,7 +230,7 @@ MUTANTS += [
     "_cycle.py",
     "end=(micro_step >= state.every_k) | micro.flush,",
     "end=(micro_step > state.every_k) | micro.flush,",
-    [DIFF, "-k", "k1_inner and jit"],
+    [DIFF, "-k", "(k1_weights or k3) and not nojit"],
     "every_k=k: an update every k + 1 calls",
   ),
   _m(
@@ -256,7 +256,7 @@ MUTANTS += [
     "_accumulate.py",
     "micro_step=jnp.where(end.cycle_end, 0, cycle.micro_step),",
     "micro_step=jnp.where(end.emitted, 0, cycle.micro_step),",
-    [DIFF, "-k", "k3 and not nojit"],
+    [DIFF, "-k", "(k1_weights or k3) and not nojit"],
     "after a weightless cycle the counter runs on past k",
   ),
   _m(
@@ -308,7 +308,7 @@ MUTANTS += [
     "_accumulate.py",
     "    and call.weight is None\n",
     "",
-    [DIFF, "-k", "k1_weights and jit"],
+    [DIFF, "-k", "k1_weighted and not nojit"],
     "every_k=1 with weight=0: the gradient is applied anyway",
   ),
   _m(
@@ -316,7 +316,7 @@ MUTANTS += [
     "_accumulate.py",
     "    and not config.skip_nonfinite\n",
     "",
-    [DIFF, "-k", "k1_weights and jit"],
+    [DIFF, "-k", "k1_skip and not nojit"],
     "every_k=1 with skip_nonfinite: a NaN gradient reaches inner",
   ),
   _m(
