@@ -3,12 +3,13 @@
 # make demo  : same set-up, then run the main example
 # make bench : same set-up, then run the benchmark suite (never part of `make test`)
 # make test-oldest : the core suite on the oldest supported jax/optax (.venv-oldest)
+# make mutants : plant the project's mutants one at a time, report the kill rate
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-oldest demo bench lint clean
+.PHONY: test test-oldest demo bench lint clean mutants
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -93,6 +94,13 @@ bench: $(STAMP) $(ACCEL_STAMP)
 	JAX_PLATFORMS=cpu PYTHONPATH=$(abspath $(ACCEL)) $(PY) benchmarks/bench_compiled.py
 	JAX_PLATFORMS=cpu PYTHONPATH=$(abspath $(ACCEL)) $(PY) benchmarks/bench_plan.py
 	$(PY) benchmarks/render_readme.py
+
+# The project's mutants of the core and the migration code (tools/mutants.py;
+# optax_accum/README.md, "Checking a change"), each planted in a temporary
+# copy and run against the tests that cover it; never part of `make test`.
+# MUTANTS_ARGS: e.g. `-j 2`, or names to run a few.
+mutants: $(STAMP) $(ACCEL_STAMP)
+	OPTAX_ACCUM_ACCEL=$(abspath $(ACCEL)) $(PY) tools/mutants.py $(MUTANTS_ARGS)
 
 clean:
 	rm -rf $(VENV) $(OLD_VENV) build *.egg-info

@@ -1,0 +1,660 @@
+"""The project's mutants: small edits that change what a user gets.
+
+``make mutants`` (never part of ``make test``) plants each mutant, one at a
+time, in a temporary copy of the repository (tracked and untracked files,
+not the ignored ones) and runs the tests that cover it there, with the copy
+first on ``PYTHONPATH``. A mutant is *killed* when those tests fail, and
+*survives* when they pass. The run prints one line per mutant, then the
+kill rate and the survivors, and exits non-zero when a mutant survived or
+no longer applies (its ``old`` text must occur exactly once in its file: a
+mutant that no longer applies is reported, never silently skipped).
+
+Each mutant is a behaviour change a user would see (the ``why``), not a
+syntax error: a later change to the code it edits should either keep it
+applying or replace it with the same behaviour's new spelling. Before the
+mutants, each distinct test selection runs once unmutated (it must pass, or
+a kill would mean nothing); ``--no-baseline`` skips that.
+
+Usage::
+
+  python tools/mutants.py                 # all, one at a time
+  python tools/mutants.py -j 2            # two copies side by side
+  python tools/mutants.py issue-1 flush   # names, or substrings of them
+  python tools/mutants.py --list
+  python tools/mutants.py --tests tests/test_differential.py issue-1
+"""
+
+import argparse
+import concurrent.futures
+import dataclasses
+import os
+import pathlib
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+  name: str
+  path: str  # relative to the repository root
+  old: str  # must occur exactly once in `path`
+  new: str
+  tests: tuple[str, ...]  # pytest arguments: files, `-k` selections
+  why: str  # what a user would see
+
+
+def _m(name, path, old, new, tests, why):
+  return Mutant(name, f"optax_accum/{path}", old, new, tuple(tests), why)
+
+
+EDGES = "tests/test_edges.py"
+DIFF = "tests/test_differential.py"
+ACC = "tests/test_accumulate.py"
+STATIC = "tests/test_static_cycle.py"
+NOISE = "tests/test_noise_scale.py"
+EVERY_K = "tests/test_every_k.py"
+MULTI = ("tests/test_multisteps.py", "tests/test_multisteps_checkpoints.py")
+FORMS = "tests/test_backend_forms.py"
+FLAX = "tests/test_flax_dropins.py"
+
+MUTANTS = [
+  # -- The eleven of issue 37 (tests/test_edges.py holds each). ------------
+  _m(
+    "issue-1 fractional total weight left undivided",
+    "_cycle.py",
+    "1.0 / jnp.where(total_weight <= 0, 1.0, total_weight)",
+    "1.0 / jnp.where(total_weight <= 1, 1.0, total_weight)",
+    [EDGES, "-k", "fractional"],
+    "weights 0.25 + 0.25 of [2, 4]: updates [-1, -2] instead of [-2, -4]",
+  ),
+  _m(
+    "issue-2 summed gradients multiplied by their weight",
+    "_cycle.py",
+    'scale = micro.weighted and config.gradients == "mean"',
+    "scale = micro.weighted",
+    [EDGES, "-k", "summed_gradients"],
+    'gradients="sum" with weight=: the gradient counted w times',
+  ),
+  _m(
+    "issue-3 float schedule rounded up",
+    "_every_k.py",
+    "k = jnp.floor(k.astype(jnp.float32))",
+    "k = jnp.ceil(k.astype(jnp.float32))",
+    [EDGES, "-k", "rounded_down"],
+    "every_k(step) = 2.5 gives cycles of 3, not 2",
+  ),
+  _m(
+    "issue-4 integer schedule below 1 kept",
+    "_every_k.py",
+    "jnp.minimum(jnp.maximum(k, 1), INT32_MAX)",
+    "jnp.minimum(jnp.maximum(k, 0), INT32_MAX)",
+    [EDGES, "-k", "below_one"],
+    "a schedule returning 0 or -1: current_every_k reads 0",
+  ),
+  _m(
+    "issue-5 k=1 pass-through forgets weight_seen",
+    "_accumulate.py",
+    "weight_seen=_every_k.add_weight_seen(\n      state.weight_seen,"
+    " jnp.ones([], jnp.float32)\n    ),",
+    "weight_seen=state.weight_seen,",
+    [EDGES, "-k", "weight_seen_of_every_call"],
+    "every_k=1: weight_seen stays 0 (a token schedule never advances)",
+  ),
+  _m(
+    "issue-6 weightless cycle's inner state kept under selects",
+    "_cycle.py",
+    "new_state = _tree.select(emitted, new_state, state)",
+    "new_state = new_state",
+    [EDGES, "-k", "weightless"],
+    "a weightless cycle ended with emit=True (or on GPU/TPU) steps Adam",
+  ),
+  _m(
+    "issue-7 k=1 pass-through drops extra arguments",
+    "_accumulate.py",
+    "grads, state.inner_state, params, **extra_args\n  )",
+    "grads, state.inner_state, params\n  )",
+    [EDGES, "-k", "extra_arguments"],
+    "every_k=1 with value=: the inner raises a TypeError",
+  ),
+  _m(
+    "issue-8 summed noise sample times its weight",
+    "_noise_scale.py",
+    "sample = norm / jnp.where(weight > 0, weight, 1.0)",
+    "sample = weight * norm",
+    [EDGES, "-k", "noise_scale"],
+    'gradients="sum": the noise scale -33.8 instead of 3.53',
+  ),
+  _m(
+    "issue-9 bias correction one cycle late",
+    "_noise_scale.py",
+    "** cycles.astype(jnp.float32)",
+    "** (cycles + 1).astype(jnp.float32)",
+    [EDGES, "-k", "closed_form"],
+    "noise_scale_components after 1 cycle: half the truth",
+  ),
+  _m(
+    "issue-10 from_multisteps loses has_updated",
+    "multisteps.py",
+    "emitted=(n == 0) & (step > 0),",
+    "emitted=fresh.emitted,",
+    [EDGES, "-k", "keeps_has_updated"],
+    "converted at a boundary: has_updated False where MultiSteps said True",
+  ),
+  _m(
+    "issue-11 from_multisteps ignores every_k=",
+    "multisteps.py",
+    "k = fresh.every_k if every_k is None else jnp.asarray(every_k, jnp.int32)",
+    "k = fresh.every_k",
+    [EDGES, "-k", "honours_every_k"],
+    "the converted run updates after the target's k, not the one given",
+  ),
+]
+
+
+MUTANTS += [
+  # -- Weights, sums and the mean. -----------------------------------------
+  _m(
+    "weight ignored in the add",
+    "_cycle.py",
+    "weight=micro.weight if scale else None, keep=keep",
+    "weight=None, keep=keep",
+    [DIFF, "-k", "k3 and not nojit"],
+    "weight=n: every micro-batch counts once in the sum",
+  ),
+  _m(
+    "total weight counts micro-batches",
+    "_cycle.py",
+    "weight=weight + jnp.where(micro.accepted, micro.weight, 0.0),",
+    "weight=weight + jnp.where(micro.accepted, 1.0, 0.0),",
+    [DIFF, "-k", "k3 and not nojit"],
+    "weight=n: the sum divided by the number of micro-batches",
+  ),
+  _m(
+    "extra arguments dropped on emitting calls",
+    "_cycle.py",
+    "step.inner.update(grad, state, params, **step.extra_args)",
+    "step.inner.update(grad, state, params)",
+    [EDGES, "-k", "extra_arguments"],
+    "update(..., value=v): inner raises a TypeError",
+  ),
+  _m(
+    "reduction='sum' divides anyway",
+    "_cycle.py",
+    'if step.config.reduction == "mean":',
+    "if True:",
+    [DIFF, "-k", "sum_reduction and not nojit"],
+    'reduction="sum" emits the mean',
+  ),
+  _m(
+    "zero-weight NaN multiplies instead of selecting",
+    "_tree.py",
+    "term = ops.select(keep, term, ops.zero(term))",
+    "term = term * keep.astype(term.dtype)",
+    [ACC, "-k", "zero_weight_micro_batch"],
+    "the 0/0 mean of an all-padding micro-batch poisons the cycle",
+  ),
+  _m(
+    "emitted updates in the accumulator's dtype",
+    "_cycle.py",
+    "lambda b, t: jnp.where(emitted, b.astype(t.dtype), 0),",
+    "lambda b, t: jnp.where(emitted, b, 0),",
+    [ACC, "-k", "dtypes_match"],
+    "bf16 params: the updates come back float32",
+  ),
+  _m(
+    "inner sees the accumulator's dtype",
+    "_cycle.py",
+    "    return a.astype(g.dtype)\n",
+    "    return a\n",
+    [ACC, "-k", "dtypes_match or inner_state_takes"],
+    "bf16 gradients: inner gets float32 ones (other updates and state)",
+  ),
+  # -- Counters and the cycle's end. -------------------------------------------
+  _m(
+    "flush ignored",
+    "_cycle.py",
+    "end=(micro_step >= state.every_k) | micro.flush,",
+    "end=(micro_step >= state.every_k),",
+    [DIFF, "-k", "k3 and not nojit"],
+    "flush=True does not end the partial window",
+  ),
+  _m(
+    "cycle ends one micro-batch late",
+    "_cycle.py",
+    "end=(micro_step >= state.every_k) | micro.flush,",
+    "end=(micro_step > state.every_k) | micro.flush,",
+    [DIFF, "-k", "(k1_weights or k3) and not nojit"],
+    "every_k=k: an update every k + 1 calls",
+  ),
+  _m(
+    "skipped micro-batch counts toward k",
+    "_cycle.py",
+    "micro_step = state.micro_step + micro.accepted.astype(jnp.int32)",
+    "micro_step = state.micro_step + 1",
+    [DIFF, "-k", "k3 and not nojit"],
+    "skip_nonfinite: a dropped micro-batch shortens the cycle",
+  ),
+  _m(
+    "step counts weightless cycles",
+    "_accumulate.py",
+    "step = jnp.where(end.emitted, optax.safe_increment(state.step),"
+    " state.step)",
+    "step = jnp.where(end.cycle_end, optax.safe_increment(state.step),"
+    " state.step)",
+    [DIFF, "-k", "k3 and not nojit"],
+    "a cycle of weight 0 advances the optimizer step (and schedules)",
+  ),
+  _m(
+    "micro_step kept after a weightless end",
+    "_accumulate.py",
+    "micro_step=jnp.where(end.cycle_end, 0, cycle.micro_step),",
+    "micro_step=jnp.where(end.emitted, 0, cycle.micro_step),",
+    [DIFF, "-k", "(k1_weights or k3) and not nojit"],
+    "after a weightless cycle the counter runs on past k",
+  ),
+  _m(
+    "num_skipped counts accepted micro-batches",
+    "_accumulate.py",
+    "micro.accepted,\n      state.num_skipped,\n"
+    "      optax.safe_increment(state.num_skipped),",
+    "micro.accepted,\n      optax.safe_increment(state.num_skipped),\n"
+    "      state.num_skipped,",
+    [DIFF, "-k", "k3 and not nojit"],
+    "num_skipped counts the good micro-batches",
+  ),
+  _m(
+    "weight_seen counts micro-batches",
+    "_accumulate.py",
+    "_every_k.add_weight_seen(state.weight_seen, end.cycle_weight),",
+    "_every_k.add_weight_seen(\n"
+    "      state.weight_seen, cycle.micro_step.astype(jnp.float32)\n    ),",
+    [DIFF, "-k", "k3 and not nojit"],
+    "weight_seen (tokens trained on) counts micro-batches",
+  ),
+  _m(
+    "weight_seen uncompensated",
+    "_every_k.py",
+    "lost = (new_total - total) - y",
+    "lost = 0.0 * y",
+    [EVERY_K, "-k", "compensated"],
+    "past 2**24 tokens, weight_seen stops moving",
+  ),
+  # -- Options: skip_nonfinite, the pass-through, schedules. -------------------
+  _m(
+    "skip_nonfinite off",
+    "_cycle.py",
+    "  if config.skip_nonfinite:\n    # A zero-weight",
+    "  if False:\n    # A zero-weight",
+    [DIFF, "-k", "k3 and not nojit"],
+    "skip_nonfinite=True: a NaN micro-batch reaches inner",
+  ),
+  _m(
+    "zero-weight NaN dropped by skip_nonfinite",
+    "_cycle.py",
+    "accepted = jnp.isfinite(weight) & (finite | (weight == 0))",
+    "accepted = jnp.isfinite(weight) & finite",
+    [ACC, "-k", "zero_weight_micro_batch"],
+    "an all-padding micro-batch is skipped: no longer counts toward k",
+  ),
+  _m(
+    "k=1 pass-through ignores weights",
+    "_accumulate.py",
+    "    and call.weight is None\n",
+    "",
+    [DIFF, "-k", "k1_weighted and not nojit"],
+    "every_k=1 with weight=0: the gradient is applied anyway",
+  ),
+  _m(
+    "k=1 pass-through ignores skip_nonfinite",
+    "_accumulate.py",
+    "    and not config.skip_nonfinite\n",
+    "",
+    [DIFF, "-k", "k1_skip and not nojit"],
+    "every_k=1 with skip_nonfinite: a NaN gradient reaches inner",
+  ),
+  _m(
+    "schedule called with the step before the update",
+    "_every_k.py",
+    "return _scheduled(spec, step, _state.total_of(weight_seen)), grow_state",
+    "return (\n    _scheduled(spec, step - 1, _state.total_of(weight_seen)),\n"
+    "    grow_state,\n  )",
+    [DIFF, "-k", "schedule and not nojit"],
+    "every_k(step): each cycle gets the previous cycle's k",
+  ),
+  _m(
+    "schedule of the weight seen reads it before the cycle",
+    "_accumulate.py",
+    "step=step,\n    weight_seen=weight_seen,\n    noise=end.noise,",
+    "step=step,\n    weight_seen=state.weight_seen,\n    noise=end.noise,",
+    [DIFF, "-k", "seen_schedule and not nojit"],
+    "piecewise_every_k switches one cycle late",
+  ),
+  # -- The ends: traced, emit=, the backend forms. -----------------------------
+  _m(
+    "traced end runs inner on a weightless cycle",
+    "_cycle.py",
+    "return cycle.end & ~(cycle.weight <= 0)",
+    "return cycle.end",
+    [EDGES, "-k", "weightless"],
+    "a cycle of weight 0 steps Adam and reports an update",
+  ),
+  _m(
+    "emit=True emits a weightless cycle",
+    "_cycle.py",
+    "emitted = jnp.asarray(True) if weight_checked else ~(weight <= 0)",
+    "emitted = jnp.asarray(True)",
+    [DIFF, "-k", "emit_k3 and not nojit"],
+    "emit=True on a cycle of weight 0: has_updated, step += 1",
+  ),
+  _m(
+    "CPU own-buffer end steps inner on a weightless cycle",
+    "_backend.py",
+    "cpu=lambda *o: _control.run_if_weighted(emitted, run, skip, emitted, *o),",
+    "cpu=lambda *o: run(emitted, *o),",
+    [EDGES, "-k", "weightless"],
+    "bf16 accumulator, weightless cycle: Adam's count moves",
+  ),
+  _m(
+    "acc_weight kept after a cycle ends",
+    "_backend.py",
+    "return jnp.where(cycle_end, 0.0, total_weight)",
+    "return total_weight",
+    [DIFF, "-k", "k3 and not nojit"],
+    "the next cycle starts with the last one's weight",
+  ),
+  _m(
+    "own-buffer end keeps acc_weight",
+    "_cycle.py",
+    "acc_weight = jnp.where(cycle.end, 0.0, decision.weight)",
+    "acc_weight = decision.weight",
+    [DIFF, "-k", "own_buffer and not nojit"],
+    "bf16 accumulator: every other cycle is lost",
+  ),
+  _m(
+    "emit=True keeps acc_weight",
+    "_cycle.py",
+    "acc_weight=jnp.zeros_like(cycle.weight),",
+    "acc_weight=cycle.weight,",
+    [DIFF, "-k", "emit_k3 and not nojit"],
+    "after emit=True the next cycle is lost",
+  ),
+  _m(
+    "0.1 CPU leftovers not recognised",
+    "_backend.py",
+    "weight = jnp.where(left_by_v01, -jnp.inf, state.acc_weight)",
+    "weight = state.acc_weight",
+    [FORMS, "-k", "v01_cpu_state_costs"],
+    "a 0.1 checkpoint's leftover update joins the next one",
+  ),
+  _m(
+    "apply_updates skips a static emitting call",
+    "_apply.py",
+    "return optax.apply_updates(params, updates) if record.emitted else params",
+    "return params",
+    [STATIC, "-k", "equals_the_traced_run"],
+    "emit=True: the params never move",
+  ),
+  # -- The noise scale. ---------------------------------------------------------
+  _m(
+    "noise counts zero-weight samples",
+    "_noise_scale.py",
+    "counted = accepted & (weight > 0)\n  norm",
+    "counted = accepted\n  norm",
+    [DIFF, "-k", "k3 and not nojit"],
+    "padding micro-batches bias the noise scale",
+  ),
+  _m(
+    "noise trace divided by m",
+    "_noise_scale.py",
+    "safe_count = jnp.where(valid, count - 1, 1.0)",
+    "safe_count = jnp.where(valid, count, 1.0)",
+    [EDGES, "-k", "closed_form"],
+    "tr(Sigma) biased low by (m - 1) / m",
+  ),
+  _m(
+    "noise |G|^2 not debiased",
+    "_noise_scale.py",
+    "grad_sq = mean_sq_norm - trace / safe_weight",
+    "grad_sq = mean_sq_norm",
+    [EDGES, "-k", "closed_form"],
+    "|G|^2 biased high by tr(Sigma) / W",
+  ),
+  _m(
+    "noise folds one-sample cycles",
+    "_noise_scale.py",
+    "valid = (count >= 2) & (total_weight > 0)",
+    "valid = (count >= 1) & (total_weight > 0)",
+    [NOISE, "-k", "single_micro_batch or nan_until"],
+    "a flushed cycle of one micro-batch gives an Inf/NaN estimate",
+  ),
+  # -- Migration and the Flax drop-ins. ------------------------------------------
+  _m(
+    "from_multisteps keeps the running mean as the sum",
+    "multisteps.py",
+    "scale = n.astype(jnp.float32) if use_grad_mean else jnp.float32(1)",
+    "scale = jnp.float32(1)",
+    [MULTI[1], "-k", "continues_under_accumulate"],
+    "a converted mid-cycle run loses (n - 1) / n of the partial sum",
+  ),
+  _m(
+    "from_multisteps weight_seen counts updates",
+    "multisteps.py",
+    "jnp.stack([(step * k).astype(jnp.float32), jnp.float32(0)])",
+    "jnp.stack([step.astype(jnp.float32), jnp.float32(0)])",
+    [EDGES, "-k", "keeps_has_updated"],
+    "token schedules restart after a conversion",
+  ),
+  _m(
+    "to_multisteps hands the sum as the mean",
+    "multisteps.py",
+    "acc = jax.tree.map(lambda a: (a * inv).astype(a.dtype), state.acc_grads)",
+    "acc = state.acc_grads",
+    [MULTI[1], "-k", "continues_under_multisteps"],
+    "going back mid-cycle: the partial sum counted n times",
+  ),
+  _m(
+    "linen TrainState drops weight",
+    "flax/_linen.py",
+    'options["weight"] = weight',
+    "pass",
+    [DIFF, "-k", "linen and jit"],
+    "TrainState.apply_gradients(weight=n) averages unweighted",
+  ),
+  _m(
+    "nnx Optimizer drops keyword arguments",
+    "flax/_nnx.py",
+    "grads, opt_state, params, **nnx.as_pure(kwargs)",
+    "grads, opt_state, params",
+    [DIFF, "-k", "nnx and jit"],
+    "Optimizer.update(weight=, emit=) ignored",
+  ),
+]
+
+
+# ----------------------------------------------------------------------------
+# Running them.
+# ----------------------------------------------------------------------------
+
+
+def _files() -> list[str]:
+  out = subprocess.run(
+    ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+    cwd=REPO,
+    capture_output=True,
+    check=True,
+  ).stdout.decode()
+  return [f for f in out.split("\0") if f and (REPO / f).is_file()]
+
+
+def _copy(dest: pathlib.Path) -> pathlib.Path:
+  for name in _files():
+    target = dest / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(REPO / name, target)
+  return dest
+
+
+def _pytest(copy: pathlib.Path, tests: tuple, timeout: float):
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join([str(copy), env.get("PYTHONPATH", "")])
+  env.setdefault("OPTAX_ACCUM_ACCEL", str(REPO / ".venv" / "accel"))
+  argv = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
+  try:
+    result = subprocess.run(
+      [*argv, *tests],
+      cwd=copy,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+      check=False,
+    )
+  except subprocess.TimeoutExpired:
+    return "timeout", ""
+  return result.returncode, result.stdout + result.stderr
+
+
+def _first_failure(output: str) -> str:
+  match = re.search(r"^(?:FAILED|ERROR) (\S+)", output, re.MULTILINE)
+  return match.group(1) if match else output.strip().splitlines()[-1:][0]
+
+
+def apply(mutant: Mutant, root: pathlib.Path) -> str | None:
+  """Plants `mutant` in `root`; returns the original text, or None when its
+  `old` text does not occur exactly once."""
+  path = root / mutant.path
+  text = path.read_text()
+  if text.count(mutant.old) != 1:
+    return None
+  path.write_text(text.replace(mutant.old, mutant.new))
+  return text
+
+
+def _run_one(mutant: Mutant, root: pathlib.Path, timeout: float) -> dict:
+  start = time.monotonic()
+  original = apply(mutant, root)
+  if original is None:
+    return dict(mutant=mutant, status="NOT APPLIED", detail="", seconds=0.0)
+  try:
+    code, output = _pytest(root, mutant.tests, timeout)
+  finally:
+    (root / mutant.path).write_text(original)
+  if code == "timeout":
+    status, detail = "KILLED", f"timeout after {timeout:.0f} s"
+  elif code == 1:
+    status, detail = "KILLED", _first_failure(output)
+  elif code == 0:
+    status, detail = "SURVIVED", ""
+  else:  # collection errors, no tests selected, usage errors
+    status, detail = "ERROR", f"pytest exit {code}: {_first_failure(output)}"
+  seconds = time.monotonic() - start
+  return dict(mutant=mutant, status=status, detail=detail, seconds=seconds)
+
+
+def _select(names: list[str]) -> list[Mutant]:
+  if not names:
+    return MUTANTS
+  ids = {m.name.split()[0] for m in MUTANTS}
+
+  def chosen_by(n: str, m: Mutant) -> bool:  # an id ("issue-1"), or a substring
+    return m.name.split()[0] == n if n in ids else n in m.name
+
+  chosen = [m for m in MUTANTS if any(chosen_by(n, m) for n in names)]
+  if not chosen:
+    raise SystemExit(f"no mutant matches {names}")
+  return chosen
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument(
+    "names", nargs="*", help="mutants: ids (issue-1) or name substrings"
+  )
+  parser.add_argument("-j", "--jobs", type=int, default=1)
+  parser.add_argument("--timeout", type=float, default=600.0)
+  parser.add_argument("--list", action="store_true")
+  parser.add_argument("--no-baseline", action="store_true")
+  parser.add_argument(
+    "--tests",
+    help="run every chosen mutant against these pytest arguments instead"
+    " of its own (e.g. 'tests/test_differential.py -k \"not nojit\"')",
+  )
+  args = parser.parse_args(argv)
+  mutants = _select(args.names)
+  if args.tests:
+    tests = tuple(shlex.split(args.tests))
+    mutants = [dataclasses.replace(m, tests=tests) for m in mutants]
+  if args.list:
+    for m in mutants:
+      print(f"{m.name}\n  {m.path}: {m.why}\n  tests: {' '.join(m.tests)}")
+    return 0
+  jobs = max(1, args.jobs)
+  with tempfile.TemporaryDirectory(prefix="optax_accum_mutants_") as tmp:
+    roots = [_copy(pathlib.Path(tmp) / f"copy{i}") for i in range(jobs)]
+    # Mutants that no longer apply are known before anything runs.
+    stale = [
+      m for m in mutants if (REPO / m.path).read_text().count(m.old) != 1
+    ]
+    if not args.no_baseline:
+      selections = sorted({m.tests for m in mutants if m not in stale})
+      for tests in selections:
+        code, output = _pytest(roots[0], tests, args.timeout)
+        if code != 0:
+          print(
+            f"baseline FAILS for {' '.join(tests)}: {_first_failure(output)}"
+          )
+          return 2
+      print(f"baseline: {len(selections)} test selections pass unmutated")
+    free = list(roots)
+    results = []
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+      futures = {}
+      for m in mutants:
+        if len(futures) >= jobs:
+          done, _ = concurrent.futures.wait(
+            futures, return_when=concurrent.futures.FIRST_COMPLETED
+          )
+          for f in done:
+            free.append(futures.pop(f))
+            results.append(f.result())
+            _print(results[-1])
+        root = free.pop()
+        futures[pool.submit(_run_one, m, root, args.timeout)] = root
+      for f in concurrent.futures.as_completed(futures):
+        results.append(f.result())
+        _print(results[-1])
+  return _summary(results)
+
+
+def _print(result: dict) -> None:
+  m = result["mutant"]
+  detail = f"  ({result['detail']})" if result["detail"] else ""
+  print(
+    f"{result['status']:<11} {result['seconds']:6.1f} s  {m.name}{detail}",
+    flush=True,
+  )
+
+
+def _summary(results: list[dict]) -> int:
+  by = {}
+  for r in results:
+    by.setdefault(r["status"], []).append(r["mutant"])
+  killed = len(by.get("KILLED", []))
+  judged = killed + len(by.get("SURVIVED", []))
+  rate = 100.0 * killed / judged if judged else 0.0
+  print(f"\nkilled {killed} of {judged} mutants: {rate:.1f}%")
+  for status in ("SURVIVED", "NOT APPLIED", "ERROR"):
+    for m in by.get(status, []):
+      print(f"  {status}: {m.name} ({m.path}): {m.why}")
+  return 0 if killed == judged == len(results) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
