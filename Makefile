@@ -43,7 +43,7 @@ PYTEST_WORKERS ?= 2
 # to install (pip's cache warm) and 100-105 s to run, measured on 2 cores
 # shared with another test run.
 test: $(STAMP) $(ACCEL_STAMP) lint
-	OPTAX_ACCUM_ACCEL=$(abspath $(ACCEL)) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope
+	OPTAX_ACCUM_ACCEL=$(abspath $(ACCEL)) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope --durations=30
 	$(MAKE) --no-print-directory test-oldest
 
 # The core on the oldest stack optax_accum supports (constraints/oldest.txt:
@@ -102,5 +102,7 @@ bench: $(STAMP) $(ACCEL_STAMP)
 mutants: $(STAMP) $(ACCEL_STAMP)
 	OPTAX_ACCUM_ACCEL=$(abspath $(ACCEL)) $(PY) tools/mutants.py $(MUTANTS_ARGS)
 
+# The suite keeps one persistent compilation cache in each venv
+# (tests/conftest.py): .venv/jax-cache, .venv-oldest/jax-cache.
 clean:
 	rm -rf $(VENV) $(OLD_VENV) build *.egg-info
