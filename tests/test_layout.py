@@ -4,6 +4,7 @@ README, and library functions and modules a reader can hold."""
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -64,8 +65,27 @@ def test_no_test_only_module_ships():
   assert "_program" in _check_step.__dict__
 
 
+# The landing page's sections (issue 38: a line cap squeezed its prose; what
+# keeps it a landing page is what it holds). A new top-level section is a
+# decision: add it here, or put it in a guide and link it.
+LANDING_SECTIONS = [
+  "Why another accumulator",
+  "Use it in your project",
+  "Quick start",
+  "Performance",
+  "Semantics",
+  "Micro-batching inside one step: `microbatch`",
+  "Guides",
+  "See also",
+]
+
+
 def test_readme_is_a_landing_page():
-  assert len((ROOT / "README.md").read_text().splitlines()) <= 260
+  text = (ROOT / "README.md").read_text()
+  sections = re.findall(r"^## (.+)$", text, flags=re.M)
+  assert sections == LANDING_SECTIONS
+  # The guides are linked from it, not copied into it.
+  assert "examples/README.md" in text and "benchmarks/README.md" in text
 
 
 def _code_lines(node: ast.FunctionDef) -> int:
