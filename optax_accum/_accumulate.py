@@ -1,255 +1,90 @@
 """`accumulate`: gradient accumulation as an optax transformation.
 
-Read top to bottom: the configuration, ``init``, ``update`` as a short
-sequence of named steps (:mod:`optax_accum._cycle` holds them), then
-:func:`accumulate` itself.
+Read top to bottom. The configuration and :func:`accumulate`; ``init``; then
+``update``, which tells one call from its arguments to the next state, and
+below it the steps it calls, in the order it calls them. The words used here
+(micro-batch, cycle, end, emit, updated, ...) have one meaning each: see the
+glossary in ``optax_accum/README.md``.
 
-Why the step looks like this. A micro-step should cost what the gradient and
-its add into the accumulator cost (the floor), on CPU, GPU and TPU alike, and
-the step should need no memory beyond the accumulator. So:
+Why a call looks like this. A micro-step should cost what the gradient and
+its add into the accumulator cost (the floor), on CPU, GPU and TPU alike,
+and the step should need no memory beyond the accumulator. So:
 
-1. the add happens before and outside control flow, straight into the
-   state's accumulator, with every select (a weight of 0, a skipped
-   micro-batch) on the gradient's side (:func:`_tree.add_term`): compiled
-   for GPU, XLA then fuses ``acc + grad`` into the GEMM that makes each
-   weight gradient, which it does only for an accumulator that is a
-   parameter of the step;
-2. one conditional decides on the device whether the call ends the cycle
-   (:func:`_control.cond`: an integer switch whose branch 0 holds, so that
-   no compiler turns it into selects or copies what it passes through). Its
-   emitting branch runs the inner optimizer and writes the updates into the
-   accumulator's buffer; the holding branch passes everything through;
-3. the zero updates of a micro-step are a ``where`` outside the
-   conditional, which fuses with ``optax.apply_updates``;
-4. once the updates are read, the accumulator returns to zeros and, given
-   the params, the updates are applied (what
-   :func:`optax_accum.apply_updates` returns), in a way that leaves a
-   micro-step reading and writing neither (:mod:`optax_accum._backend`);
-5. with ``update(..., emit=True | False)`` the caller says at trace time
-   whether the call ends the cycle: no conditional at all.
+* **the add** happens before and outside control flow, straight into the
+  state's accumulator, with every select (a weight of 0, a skipped
+  micro-batch) on the gradient's side (:func:`add_term`): compiled for GPU,
+  XLA then fuses ``acc + grad`` into the GEMM that makes each weight
+  gradient, which it does only for an accumulator that is a parameter of
+  the step;
+* **one conditional** decides on the device whether the call ends the cycle
+  (:func:`_control.cond`: an integer switch whose branch 0 holds, so that no
+  compiler turns it into selects or copies what it passes through). Its
+  updating branch runs the inner optimizer on the cycle's mean gradient and,
+  where the types allow, writes the updates into the accumulator's own
+  buffer (:func:`_shares_buffer`); the holding branch passes everything
+  through;
+* **the zero updates** of a micro-step are a ``where`` outside the
+  conditional, which fuses with ``optax.apply_updates``;
+* **closing the cycle**: once the updates are read, the accumulator returns
+  to zeros and, given the params, the updates are applied (what
+  :func:`optax_accum.apply_updates` returns, see ``_apply.py``), in a way that
+  leaves a micro-step reading and writing neither (:func:`_close`: the one
+  place where CPU and GPU/TPU programs differ);
+* with ``update(..., emit=True | False)`` the caller says at trace time
+  whether the call ends the cycle: no conditional at all.
 
 The structure tests (``tests/test_performance_structure.py`` for CPU,
 ``tests/test_accelerators.py`` compiled for an H100 and a TPU v5e) hold the
-compiled programs to these points. With ``axis_name``, the engine of
-:mod:`optax_accum._engines` decides how the sums cross devices.
+compiled programs to these points. The compiler workarounds the code calls
+by name live in ``_control.py``, each with the behaviour it defeats.
+
+**Devices.** Without ``axis_name`` everything below runs on one device with
+plain ``jnp`` (:class:`Local`). With it, an engine of ``_engines.py``
+(chosen once per trace) says how the sums cross devices: ``ShardMap`` where
+the axis is bound, ``Unreduced`` for gradients typed unreduced under plain
+``jit``. The steps call the engine's methods; only ``init`` and the start
+of ``update`` ask which engine they have.
 """
 
 import dataclasses
 import functools
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
 
-from optax_accum import (
-  _apply,
-  _checks,
-  _cycle,
-  _engines,
-  _every_k,
-  _noise_scale,
-)
+from optax_accum import _apply, _checks, _control, _every_k, _noise_scale
+from optax_accum import _state as _state_lib
 from optax_accum._noise_scale import NoiseStats
-from optax_accum._state import AccumulateState
+from optax_accum._state import AccumulateState, NoiseScaleState
 
 EveryK = int | Callable[..., Any] | _every_k.GrowEveryK
 
+# ----------------------------------------------------------------------------
+# The configuration and the transformation.
+# ----------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
+class Config:
   """The validated arguments of :func:`accumulate`."""
 
-  inner: Callable[[Any], optax.GradientTransformationExtraArgs]  # k -> inner
+  # The inner transformation for a cycle of k micro-batches (k is fixed but
+  # for inner_for_every_k).
+  inner: Callable[[jax.Array], optax.GradientTransformationExtraArgs]
   every_k: _every_k.Spec
-  reduction: str
-  accumulator_dtype: Any
+  reduction: str  # "mean" or "sum"
+  accumulator_dtype: jnp.dtype | None
   skip_nonfinite: bool
   axis_name: Hashable | None
   track_noise_scale: bool
   noise_scale_decay: float
-  gradients: str
-  reduce_dtype: Any
-
-
-def _inner_for(inner: Any) -> Callable[[Any], Any]:
-  """`k -> inner transformation`; checks a fixed inner at once."""
-  if isinstance(inner, _every_k.InnerForEveryK):
-    return lambda k: _checks.transformation(inner.factory(k))
-  transformation = _checks.transformation(inner)
-  return lambda k: transformation
-
-
-# ----------------------------------------------------------------------------
-# init.
-# ----------------------------------------------------------------------------
-
-
-def _init(config: _Config, params: optax.Params) -> AccumulateState:
-  engine = _engines.for_init(config.axis_name, params)
-
-  def zeros(param):
-    dtype = _checks.leaf_accumulator_dtype(
-      config.accumulator_dtype, jnp.result_type(param)
-    )
-    return engine.zeros_like_param(param, dtype)
-
-  every_k = _every_k.first(config.every_k)
-  # Separate calls: every leaf is its own buffer, so the whole state can be
-  # donated to jit.
-  return AccumulateState(
-    micro_step=jnp.zeros([], jnp.int32),
-    step=jnp.zeros([], jnp.int32),
-    every_k=every_k,
-    acc_grads=jax.tree.map(zeros, _checks.gradient_params(params)),
-    acc_weight=jnp.zeros([], jnp.float32),
-    weight_seen=jnp.zeros([2], jnp.float32),
-    inner_state=config.inner(every_k).init(params),
-    num_skipped=jnp.zeros([], jnp.int32),
-    emitted=jnp.zeros([], jnp.bool_),
-    noise=(
-      _noise_scale.init() if config.track_noise_scale else optax.EmptyState()
-    ),
-    grow=_every_k.init_grow(config.every_k),
-  )
-
-
-# ----------------------------------------------------------------------------
-# update.
-# ----------------------------------------------------------------------------
-
-
-def _update(
-  config: _Config,
-  updates: optax.Updates,
-  state: AccumulateState,
-  params: optax.Params | None = None,
-  *,
-  weight: Any = None,
-  flush: Any = False,
-  emit: bool | None = None,
-  noise_stats: NoiseStats | None = None,
-  **extra_args: Any,
-) -> tuple[optax.Updates, AccumulateState]:
-  _checks.state(state, config.track_noise_scale)
-  _checks.state_fits(updates, params, state.acc_grads)
-  _checks.grads_match(updates, state.acc_grads)
-  _checks.params_match(params, state.acc_grads)
-  engine = _engines.for_update(config.axis_name, updates, state.acc_grads)
-  call = _checks.update_call(
-    config,
-    engine,
-    weight=weight,
-    flush=flush,
-    emit=emit,
-    noise_stats=noise_stats,
-  )
-  inner = config.inner(state.every_k)
-  if _passes_through(config, call):
-    return _inner_alone(inner, updates, state, params, extra_args)
-  if not (engine.runs_eagerly or _checks.is_traced(updates)):
-    options = dict(
-      weight=weight, flush=flush, emit=emit, noise_stats=noise_stats
-    )
-    return _jitted_update(config)(
-      updates, state, params, **options, **extra_args
-    )
-
-  micro = _cycle.accept(config, engine, updates, call)
-  cycle = _cycle.add(config, engine, state, micro, call.noise_stats, params)
-  plan = _cycle.plan(config, engine, inner, extra_args, updates, cycle)
-  step = _cycle.Step(config, engine, inner, extra_args, plan)
-  if call.emit is None:
-    end = _cycle.traced_end(step, cycle)
-  elif call.emit:
-    end = _cycle.static_end(step, cycle)
-  else:
-    end = _cycle.held_end(step, cycle)
-  known = end.emitted if call.emit is None else call.emit
-  _apply.remember(end.updates, known, params, end.new_params)
-  return end.updates, _next_state(config, state, micro, cycle, end)
-
-
-def _passes_through(config: _Config, call: _checks.Call) -> bool:
-  """k = 1 without weights, flush, skips, axis or `emit`: `inner` alone."""
-  return (
-    config.every_k.fixed == 1
-    and call.emit is None
-    and call.weight is None
-    and not call.may_flush
-    and not config.skip_nonfinite
-    and config.axis_name is None
-  )
-
-
-def _inner_alone(inner, grads, state, params, extra_args):
-  """Bit for bit `inner`, with the counters of an emitting call."""
-  updates, inner_state = inner.update(
-    grads, state.inner_state, params, **extra_args
-  )
-  return updates, state._replace(
-    step=optax.safe_increment(state.step),
-    weight_seen=_every_k.add_weight_seen(
-      state.weight_seen, jnp.ones([], jnp.float32)
-    ),
-    inner_state=inner_state,
-    emitted=jnp.asarray(True),
-  )
-
-
-# Eager ops on unreduced arrays fail (jax 0.10.2): such an update runs
-# jitted. Bounded, so that old configurations (and the inner optimizers they
-# hold) are let go.
-@functools.lru_cache(maxsize=16)
-def _jitted_update(config: _Config) -> Callable[..., Any]:
-  return jax.jit(functools.partial(_update, config), static_argnames=("emit",))
-
-
-def _next_state(config, state, micro, cycle, end: _cycle.End):
-  """The state after a call: counters, and the weight seen, k and the
-  controller's state, which change only when the call ended a cycle."""
-  step = jnp.where(end.emitted, optax.safe_increment(state.step), state.step)
-  weight_seen = jnp.where(
-    end.emitted,
-    _every_k.add_weight_seen(state.weight_seen, end.cycle_weight),
-    state.weight_seen,
-  )
-  k, grow = _every_k.next_k(
-    config.every_k,
-    state.every_k,
-    state.grow,
-    step=step,
-    weight_seen=weight_seen,
-    noise=end.noise,
-    cycle_micro_batches=cycle.micro_step,
-    emitted=end.emitted,
-    decay=config.noise_scale_decay,
-  )
-  return AccumulateState(
-    micro_step=jnp.where(end.cycle_end, 0, cycle.micro_step),
-    step=step,
-    every_k=jnp.where(end.cycle_end, k, state.every_k),
-    acc_grads=end.acc,
-    acc_weight=end.acc_weight,
-    weight_seen=weight_seen,
-    inner_state=end.inner_state,
-    num_skipped=jnp.where(
-      micro.accepted,
-      state.num_skipped,
-      optax.safe_increment(state.num_skipped),
-    ),
-    emitted=end.emitted,
-    noise=end.noise,
-    grow=jax.tree.map(
-      lambda n, o: jnp.where(end.cycle_end, n, o), grow, state.grow
-    ),
-  )
-
-
-# ----------------------------------------------------------------------------
-# The transformation.
-# ----------------------------------------------------------------------------
+  gradients: str  # "mean" or "sum": what each gradient is over its weight
+  reduce_dtype: jnp.dtype | None
 
 
 @_checks.names_multisteps_arguments
@@ -383,7 +218,7 @@ def accumulate(
   """
   _checks.options(reduction, axis_name, gradients)
   track_noise_scale = _checks.boolean(track_noise_scale, "track_noise_scale")
-  config = _Config(
+  config = Config(
     inner=_inner_for(inner),
     every_k=_every_k.check(every_k, track_noise_scale),
     reduction=reduction,
@@ -403,7 +238,15 @@ def accumulate(
   )
 
 
-def config_of(tx: Any, reader: str) -> _Config:
+def _inner_for(inner: Any) -> Callable[[jax.Array], Any]:
+  """`k -> inner transformation`; checks a fixed inner at once."""
+  if isinstance(inner, _every_k.InnerForEveryK):
+    return lambda k: _checks.transformation(inner.factory(k))
+  transformation = _checks.transformation(inner)
+  return lambda k: transformation
+
+
+def config_of(tx: Any, reader: str) -> Config:
   """The validated arguments of the :func:`accumulate` that returned `tx`.
 
   Raises:
@@ -418,3 +261,921 @@ def config_of(tx: Any, reader: str) -> _Config:
     f" (`tx`), got {type(tx).__name__}: pass that transformation itself,"
     " not a chain or wrapper around it."
   )
+
+
+# ----------------------------------------------------------------------------
+# One device: the sums of the local path, in plain jnp.
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Local:
+  """How a cycle's sums are made and reduced on one device (no
+  ``axis_name``): plain ``jnp``, nothing to agree on or reduce.
+
+  The engines of ``_engines.py`` (``ShardMap``, ``Unreduced``) override
+  these methods where sums cross devices.
+  """
+
+  axis_name: Hashable | None = None
+  # Eager ops on this engine's arrays work (not on unreduced ones).
+  runs_eagerly: ClassVar[bool] = True
+  # The cycle's total weight is the same on every device before it is
+  # reduced (not inside shard_map, where each device has its own).
+  global_weight: ClassVar[bool] = True
+  # `accumulate` measures each gradient's norm for the noise scale itself
+  # (not unreduced gradients: `local_value_and_grad` measures them).
+  measures_noise: ClassVar[bool] = True
+
+  def zero(self, x: Any) -> Any:
+    """A zero to select against `x`."""
+    return jnp.zeros([], x.dtype)
+
+  def select(self, pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    """``jnp.where`` with a replicated scalar `pred`."""
+    return jnp.where(pred, on_true, on_false)
+
+  def scale(self, x: Any, factor: jax.Array) -> Any:
+    """``x * factor`` for a replicated scalar `factor`."""
+    return x * factor.astype(x.dtype)
+
+  def all_finite(self, tree: Any) -> jax.Array:
+    """Whether every gradient element is finite (on every device whose
+    decision this is)."""
+    finite = jnp.asarray(True)
+    for g in jax.tree.leaves(tree):
+      finite &= jnp.all(jnp.isfinite(g))
+    return finite
+
+  def zeros_like_param(self, param: Any, dtype: Any) -> jax.Array:
+    """A zero accumulator leaf placed like `param`.
+
+    A committed array's sharding is copied; an uncommitted one (created
+    without a device) gives an uncommitted accumulator, as optax's own
+    states. Under ``jit`` an explicit-axes mesh puts the sharding in the
+    tracer's type and ``zeros_like`` keeps it; with auto axes pass
+    ``out_shardings=optax_accum.distributed.state_shardings(tx, params)``.
+    """
+    if isinstance(param, jax.Array) and not isinstance(param, jax.core.Tracer):
+      device = param.sharding if param.committed else None
+      return jnp.zeros(param.shape, dtype, device=device)
+    return jnp.zeros_like(param, dtype=dtype)
+
+  def agree(self, reduce: Callable, flag: jax.Array) -> jax.Array:
+    """`flag` the same on every device of the step (here: itself)."""
+    del reduce
+    return flag
+
+  def reduce(
+    self, acc: Any, scalars: tuple, *, per_leaf: bool, specs: Any
+  ) -> tuple[Any, tuple]:
+    """The cycle's sums over the devices: `acc` and a few float32
+    `scalars` (its weight, the noise-scale sums). Here: as they are."""
+    del per_leaf, specs
+    return acc, scalars
+
+  def reduced_specs(self, acc: Any, params: Any) -> Any:
+    """Where the reduced sum is laid out (None: no layout in the type)."""
+    del acc, params
+    return None
+
+  def shares_buffer(self, acc: Any) -> bool:
+    """Whether the updates may be written into the accumulator's own
+    buffer, as far as the devices go (see :func:`_shares_buffer`)."""
+    del acc
+    return True
+
+  def cleared(self, cycle_ends: jax.Array, acc: Any, total: Any) -> Any:
+    """Zeros in place of the accumulator `acc` where `cycle_ends`, once
+    `total`, its sum over the devices, is known."""
+    del total
+    return _control.cleared(cycle_ends, acc, self)
+
+  def sample_axes(self) -> Hashable | None:
+    """The axes each device's gradient is a noise-scale sample over."""
+    return None
+
+
+LOCAL = Local()
+
+
+def _engine_for_init(axis_name: Hashable | None, params: Any) -> Local:
+  if axis_name is None:
+    return LOCAL
+  from optax_accum import _engines  # noqa: PLC0415  (axis_name only)
+
+  return _engines.for_init(axis_name, params)
+
+
+def _engine_for_update(axis_name: Hashable, grads: Any, acc: Any) -> Local:
+  from optax_accum import _engines  # noqa: PLC0415  (axis_name only)
+
+  return _engines.for_update(axis_name, grads, acc)
+
+
+def add_term(
+  acc: jax.Array,
+  value: Any,
+  *,
+  ops: Local = LOCAL,
+  weight: jax.Array | None = None,
+  keep: jax.Array | None = None,
+) -> jax.Array:
+  """``acc + keep * weight * value``, computed in :func:`compute_dtype`.
+
+  Every select sits on the term's side, with a scalar predicate: compiled
+  for GPU, XLA then fuses the add into the GEMM that makes `value` (it
+  fuses ``acc + f(dot)`` where `acc` is a parameter of the step, not
+  ``f(acc) + dot``). Where `keep` is false the term is exact zeros, even if
+  `value` is NaN or Inf: the 0/0 per-token mean of an all-padding
+  micro-batch counts for nothing rather than poisoning the sum.
+
+  Args:
+    acc: The sum so far; the result has its dtype.
+    value: The term to add.
+    ops: Where `scale`, `select` and `zero` come from (an engine: unreduced
+      arrays need their own forms).
+    weight: A scalar to multiply `value` by, or None.
+    keep: A scalar bool: whether the term counts, or None (always).
+  """
+  compute = compute_dtype(acc.dtype)
+  term = jnp.asarray(value).astype(compute)
+  if weight is not None:
+    term = ops.scale(term, weight)
+  if keep is not None:
+    term = ops.select(keep, term, ops.zero(term))
+  return (acc.astype(compute) + term).astype(acc.dtype)
+
+
+# ----------------------------------------------------------------------------
+# init.
+# ----------------------------------------------------------------------------
+
+
+def _init(config: Config, params: optax.Params) -> AccumulateState:
+  engine = _engine_for_init(config.axis_name, params)
+
+  def zeros(param):
+    dtype = _checks.leaf_accumulator_dtype(
+      config.accumulator_dtype, jnp.result_type(param)
+    )
+    return engine.zeros_like_param(param, dtype)
+
+  every_k = _every_k.first(config.every_k)
+  # Separate calls: every leaf is its own buffer, so the whole state can be
+  # donated to jit.
+  return AccumulateState(
+    micro_step=jnp.zeros([], jnp.int32),
+    step=jnp.zeros([], jnp.int32),
+    every_k=every_k,
+    acc_grads=jax.tree.map(zeros, _checks.gradient_params(params)),
+    acc_weight=jnp.zeros([], jnp.float32),
+    weight_seen=jnp.zeros([2], jnp.float32),
+    inner_state=config.inner(every_k).init(params),
+    num_skipped=jnp.zeros([], jnp.int32),
+    emitted=jnp.zeros([], jnp.bool_),
+    noise=(
+      _noise_scale.init() if config.track_noise_scale else optax.EmptyState()
+    ),
+    grow=_every_k.init_grow(config.every_k),
+  )
+
+
+# ----------------------------------------------------------------------------
+# update: one call, from its arguments to the next state.
+# ----------------------------------------------------------------------------
+
+
+class Cycle(NamedTuple):
+  """The cycle after this call's micro-batch was added: what ends read."""
+
+  acc: Any  # the (device-local) sum
+  weight: jax.Array  # float32[]: its (device-local) total weight
+  micro_step: jax.Array  # int32[]: micro-batches accepted in it
+  ends: jax.Array  # bool[]: this call ends the cycle
+  noise: Any  # NoiseScaleState, or optax.EmptyState() when not tracked
+  inner_state: Any
+  params: Any  # as given to update, or None
+
+
+class Inner(NamedTuple):
+  """What one traced call holds fixed about the inner optimizer: itself
+  (for this cycle's k), its extra arguments, and the types it takes and
+  returns (``jax.eval_shape``)."""
+
+  tx: optax.GradientTransformationExtraArgs
+  extra_args: dict
+  grad_types: Any  # the mean gradient it is handed
+  update_types: Any  # its updates
+  state_types: Any  # its new state
+  reduced_specs: Any  # the reduced sum's layout (Unreduced), or None
+
+
+class Result(NamedTuple):
+  """How a call ends: what it returns and what the next state holds."""
+
+  updates: Any  # exact zeros unless `updated`
+  updated: jax.Array  # bool[]: inner ran on a cycle of positive weight
+  new_params: Any  # the params with `updates` applied, or None
+  acc: Any
+  acc_weight: jax.Array
+  noise: Any
+  inner_state: Any
+  cycle_ends: jax.Array  # bool[]
+  cycle_weight: jax.Array  # the ended cycle's global weight, else 0
+
+
+def _update(
+  config: Config,
+  updates: optax.Updates,
+  state: AccumulateState,
+  params: optax.Params | None = None,
+  *,
+  weight: Any = None,
+  flush: Any = False,
+  emit: bool | None = None,
+  noise_stats: NoiseStats | None = None,
+  **extra_args: Any,
+) -> tuple[optax.Updates, AccumulateState]:
+  # 1. The arguments, checked; the engine for this trace.
+  _checks.state(state, config.track_noise_scale)
+  _checks.state_fits(updates, params, state.acc_grads)
+  _checks.grads_match(updates, state.acc_grads)
+  _checks.params_match(params, state.acc_grads)
+  if config.axis_name is None:
+    _checks.not_unreduced(updates)
+    engine = LOCAL
+  else:
+    engine = _engine_for_update(config.axis_name, updates, state.acc_grads)
+  call = _checks.update_call(
+    config,
+    engine,
+    weight=weight,
+    flush=flush,
+    emit=emit,
+    noise_stats=noise_stats,
+  )
+  inner = config.inner(state.every_k)
+  if _is_inner_alone(config, call):
+    return _inner_alone(inner, updates, state, params, extra_args)
+  if not (engine.runs_eagerly or _checks.is_traced(updates)):
+    options = dict(
+      weight=weight, flush=flush, emit=emit, noise_stats=noise_stats
+    )
+    return _jitted_update(config)(
+      updates, state, params, **options, **extra_args
+    )
+
+  # 2. Add the micro-batch into the cycle.
+  cycle, accepted = _add(config, engine, state, updates, call, params)
+  inner = _inner_types(engine, inner, extra_args, updates, cycle)
+
+  # 3. End the call: the device decides (traced), or the caller did (emit=).
+  if call.emit is None:
+    result = _decide_on_device(config, engine, inner, cycle)
+  elif call.emit:
+    result = _end_cycle_now(config, engine, inner, cycle)
+  else:
+    result = _keep_cycle_open(inner, cycle)
+
+  # 4. Tell apply_updates what was applied; the next state.
+  known = result.updated if call.emit is None else call.emit
+  _apply.remember(result.updates, known, params, result.new_params)
+  return result.updates, _next_state(config, state, accepted, cycle, result)
+
+
+def _is_inner_alone(config: Config, call: _checks.Call) -> bool:
+  """k = 1 without weights, flush, skips, axis or `emit`: `inner` alone."""
+  return (
+    config.every_k.fixed == 1
+    and call.emit is None
+    and call.weight is None
+    and not call.may_flush
+    and not config.skip_nonfinite
+    and config.axis_name is None
+  )
+
+
+def _inner_alone(inner, grads, state, params, extra_args):
+  """Bit for bit `inner`, with the counters of an updating call."""
+  updates, inner_state = inner.update(
+    grads, state.inner_state, params, **extra_args
+  )
+  return updates, state._replace(
+    step=optax.safe_increment(state.step),
+    weight_seen=_state_lib.add_weight_seen(
+      state.weight_seen, jnp.ones([], jnp.float32)
+    ),
+    inner_state=inner_state,
+    emitted=jnp.asarray(True),
+  )
+
+
+# Eager ops on unreduced arrays fail (jax 0.10.2): such an update runs
+# jitted. Bounded, so that old configurations (and the inner optimizers they
+# hold) are let go.
+@functools.lru_cache(maxsize=16)
+def _jitted_update(config: Config) -> Callable[..., Any]:
+  return jax.jit(functools.partial(_update, config), static_argnames=("emit",))
+
+
+# -- 2. The add. -------------------------------------------------------------
+
+
+def _add(config, engine, state, grads, call, params) -> tuple[Cycle, Any]:
+  """The cycle with this micro-batch added, and whether it was accepted
+  (not dropped by `skip_nonfinite`), agreed over the devices."""
+  weighted = call.weight is not None
+  weight = call.weight if weighted else jnp.ones([], jnp.float32)
+  accepted = jnp.asarray(True)
+  if config.skip_nonfinite:
+    # A zero-weight micro-batch (e.g. the 0/0 mean of an all-padding
+    # micro-batch) counts toward k and contributes nothing, NaN or not.
+    finite = engine.all_finite(grads)
+    accepted = jnp.isfinite(weight) & (finite | (weight == 0))
+    accepted = engine.agree(lax.pmin, accepted)
+  flush = call.flush
+  if call.may_flush:
+    flush = engine.agree(lax.pmax, flush)
+
+  # A state optax_accum 0.1 left on CPU after an update holds that update
+  # in acc_grads and its weight in acc_weight (0.2 leaves zeros and 0): its
+  # cycle starts at weight -inf, so that it ends without an update and
+  # leaves zeros. One cycle without an update; never a wrong one.
+  left_by_v01 = (state.micro_step == 0) & (state.acc_weight != 0)
+  cycle_weight = jnp.where(left_by_v01, -jnp.inf, state.acc_weight)
+
+  keep = accepted if config.skip_nonfinite else None
+  scale = weighted and config.gradients == "mean"
+  if scale:
+    nonzero = weight != 0
+    keep = nonzero if keep is None else keep & nonzero
+  # gradients="sum": the gradient carries its weight already; adding it as
+  # is lets every GEMM backend fuse the add (cuBLAS only with no scale).
+  acc = jax.tree.map(
+    lambda a, g: add_term(
+      a, g, ops=engine, weight=weight if scale else None, keep=keep
+    ),
+    state.acc_grads,
+    grads,
+  )
+  micro_step = state.micro_step + accepted.astype(jnp.int32)
+  cycle = Cycle(
+    acc=acc,
+    weight=cycle_weight + jnp.where(accepted, weight, 0.0),
+    micro_step=micro_step,
+    ends=(micro_step >= state.every_k) | flush,
+    noise=_add_noise(config, engine, state, grads, weight, accepted, call),
+    inner_state=state.inner_state,
+    params=params,
+  )
+  return cycle, accepted
+
+
+def _add_noise(config, engine, state, grads, weight, accepted, call) -> Any:
+  """The noise-scale sums with this micro-batch: measured here, or by the
+  gradient helper (`noise_stats`, Unreduced). Untracked: as they were."""
+  if not isinstance(state.noise, NoiseScaleState):
+    return state.noise
+  fresh = state.micro_step == 0
+  if call.noise_stats is not None:
+    return _noise_scale.add_stats(
+      state.noise, call.noise_stats, weight, accepted, fresh
+    )
+  return _noise_scale.add_micro_batch(
+    state.noise,
+    grads,
+    weight,
+    accepted,
+    fresh,
+    summed=config.gradients == "sum",
+    sample_axes=engine.sample_axes(),
+  )
+
+
+def _inner_types(engine, tx, extra_args, grads, cycle: Cycle) -> Inner:
+  """The inner optimizer of this trace, and the types it takes and
+  returns."""
+  params = cycle.params
+  gradient_params = None if params is None else _checks.gradient_params(params)
+  specs = engine.reduced_specs(cycle.acc, gradient_params)
+  if specs is None:
+    grad_types = jax.tree.map(
+      lambda g: jax.ShapeDtypeStruct(jnp.shape(g), jnp.result_type(g)), grads
+    )
+  else:  # The gradient `inner` sees is reduced, with a sharding in its type.
+    grad_types = jax.tree.map(
+      lambda g, spec: jax.ShapeDtypeStruct(
+        jnp.shape(g), jnp.result_type(g), sharding=spec
+      ),
+      grads,
+      specs,
+    )
+  update_types, state_types = jax.eval_shape(
+    lambda g, s, p: tx.update(g, s, p, **extra_args),
+    grad_types,
+    cycle.inner_state,
+    params,
+  )
+  return Inner(tx, extra_args, grad_types, update_types, state_types, specs)
+
+
+# -- 3. The ends. ------------------------------------------------------------
+
+
+def _decide_on_device(config, engine, inner: Inner, cycle: Cycle) -> Result:
+  """The default (``emit=None``): one conditional decides on the device
+  whether this call ends the cycle.
+
+  Where the updates fit the accumulator's buffer (:func:`_shares_buffer`)
+  the updating branch writes them there and :func:`_close` returns the
+  buffer to zeros once they are read. Otherwise (another dtype or tree, a
+  buffer that varies over devices) they get buffers of their own and the
+  updating branch zeroes the accumulator and applies them itself.
+  """
+  shares = _shares_buffer(engine, inner, cycle.acc)
+  enter = cycle.ends
+  if shares and engine.global_weight:
+    # A weightless cycle skips the branch (a NaN total still enters, so
+    # that the NaN reaches `inner`); the closing step zeroes it. Inside
+    # shard_map the global weight is known only in the branch.
+    enter = cycle.ends & ~(cycle.weight <= 0)
+  mean_sq = None
+  if config.track_noise_scale and engine.axis_name is None:
+    # Measured before the conditional (with axis_name it needs the reduced
+    # sum, inside).
+    mean_sq = _control.in_own_conditional(
+      enter, _mean_sq_norm, jnp.zeros([], jnp.float32), cycle.acc, cycle.weight
+    )
+
+  def hold(cycle, mean_sq):
+    del mean_sq
+    held = (
+      cycle.weight,
+      cycle.noise,
+      _settle(cycle.inner_state, inner.state_types),
+      jnp.asarray(False),
+      jnp.zeros([], cycle.weight.dtype),
+    )
+    if shares:
+      return cycle.acc, held
+    # `cycle.ends` is false here: traced zeros, one per leaf.
+    leaves, treedef = jax.tree.flatten(inner.update_types)
+    zeros = _control.distinct_zeros(leaves, cycle.ends, zeros_like_type)
+    updates = jax.tree.unflatten(treedef, zeros)
+    return (updates, cycle.acc, cycle.params), held
+
+  def update(cycle, mean_sq):
+    done = _run_inner_on_mean(
+      config,
+      engine,
+      inner,
+      cycle,
+      mean_sq,
+      static=False,
+      weight_checked=shares and engine.global_weight,
+      apply=not shares,
+    )
+    # The global weight twice, as the ended cycle's too: under shard_map
+    # the first copy joins the device-local accumulator's slot.
+    decided = (done.weight, done.noise, done.inner_state, done.updated)
+    decided += (done.weight,)
+    if shares:
+      out = jax.tree.map(
+        lambda u, a: u.astype(a.dtype), done.updates, cycle.acc
+      )
+      return out, decided
+    acc = engine.cleared(cycle.ends, cycle.acc, done.total)
+    return (done.updates, acc, done.params), decided
+
+  out, decided = _control.cond(enter, update, hold, cycle, mean_sq)
+  weight, noise, inner_state, updated, cycle_weight = decided
+  if shares:
+    new_params, acc = _close(
+      engine, inner.update_types, cycle.params, out, cycle.ends, updated
+    )
+    # The updates, exact zeros unless updated; outside the conditional, so
+    # that the select fuses with optax.apply_updates.
+    updates = jax.tree.map(
+      lambda b, t: jnp.where(updated, b.astype(t.dtype), 0),
+      out,
+      inner.update_types,
+    )
+  else:
+    updates, acc, new_params = out
+  return Result(
+    updates=updates,
+    updated=updated,
+    new_params=new_params,
+    acc=acc,
+    acc_weight=jnp.where(cycle.ends, 0.0, weight),
+    noise=noise,
+    inner_state=inner_state,
+    cycle_ends=cycle.ends,
+    cycle_weight=cycle_weight,
+  )
+
+
+def _end_cycle_now(config, engine, inner: Inner, cycle: Cycle) -> Result:
+  """``emit=True``: the caller says this call ends the cycle. No
+  conditional (see :func:`_run_inner_on_mean`); the accumulator is left at
+  zeros."""
+  mean_sq = None
+  if config.track_noise_scale and engine.axis_name is None:
+    mean_sq = _mean_sq_norm(cycle.acc, cycle.weight)
+  done = _run_inner_on_mean(
+    config, engine, inner, cycle, mean_sq, static=True, weight_checked=False
+  )
+  always = _control.traced_true(cycle.micro_step)
+  return Result(
+    updates=done.updates,
+    updated=done.updated,
+    new_params=None,
+    acc=engine.cleared(always, cycle.acc, done.total),
+    acc_weight=jnp.zeros_like(cycle.weight),
+    noise=done.noise,
+    inner_state=done.inner_state,
+    cycle_ends=jnp.asarray(True),
+    cycle_weight=done.weight,
+  )
+
+
+def _keep_cycle_open(inner: Inner, cycle: Cycle) -> Result:
+  """``emit=False``: the caller says the cycle goes on. The add and the
+  counters only: no conditional, no inner optimizer."""
+  return Result(
+    updates=jax.tree.map(zeros_like_type, inner.update_types),
+    updated=jnp.asarray(False),
+    new_params=None,
+    acc=cycle.acc,
+    acc_weight=cycle.weight,
+    noise=cycle.noise,
+    inner_state=_settle(cycle.inner_state, inner.state_types),
+    cycle_ends=jnp.asarray(False),
+    # Not zeros_like: under shard_map the weight varies over the devices.
+    cycle_weight=jnp.zeros([], jnp.float32),
+  )
+
+
+def _shares_buffer(engine: Local, inner: Inner, acc: Any) -> bool:
+  """Whether the updates can be written into the accumulator's buffer:
+  the same tree and shapes, dtypes the accumulator holds exactly, and an
+  engine whose accumulator has the updates' type."""
+  update_types = inner.update_types
+  fits = jax.tree.structure(update_types) == jax.tree.structure(acc) and all(
+    u.shape == a.shape and _holds_exactly(a.dtype, u.dtype)
+    for u, a in zip(
+      jax.tree.leaves(update_types), jax.tree.leaves(acc), strict=True
+    )
+  )
+  return fits and engine.shares_buffer(acc)
+
+
+def _holds_exactly(wide: Any, narrow: Any) -> bool:
+  """Whether every value of dtype `narrow` survives a trip through `wide`."""
+  wide, narrow = jnp.dtype(wide), jnp.dtype(narrow)
+  if wide == narrow:
+    return True
+  if not (
+    jnp.issubdtype(wide, jnp.inexact) and jnp.issubdtype(narrow, jnp.inexact)
+  ):
+    return False
+  if jnp.issubdtype(narrow, jnp.complexfloating) and not jnp.issubdtype(
+    wide, jnp.complexfloating
+  ):
+    return False
+  w, n = jnp.finfo(wide), jnp.finfo(narrow)
+  return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp
+
+
+# -- The inner optimizer on the cycle's mean. --------------------------------
+
+
+class Ran(NamedTuple):
+  """What :func:`_run_inner_on_mean` returns."""
+
+  updates: Any
+  inner_state: Any
+  updated: jax.Array  # bool[]: the cycle's total weight was positive
+  weight: jax.Array  # float32[]: its global total weight
+  noise: Any  # the noise-scale state with the cycle folded in
+  total: Any  # the cycle's reduced sum
+  params: Any  # with the updates applied (asked for and given), else None
+
+
+def _run_inner_on_mean(
+  config: Config,
+  engine: Local,
+  inner: Inner,
+  cycle: Cycle,
+  mean_sq: Any,
+  *,
+  static: bool,
+  weight_checked: bool,
+  apply: bool = False,
+) -> Ran:
+  """The cycle's (reduced) mean gradient through the inner optimizer.
+
+  Args:
+    mean_sq: ``|mean gradient|^2`` measured before, or None to measure the
+      reduced sum here (with the noise scale tracked).
+    static: the caller knew at trace time that the call ends the cycle (no
+      conditional): the leaves are reduced one by one, so that each may
+      start as soon as its gradient is added; selects keep a weightless
+      cycle's result out.
+    weight_checked: the caller runs this only for a positive (or NaN) total
+      weight; otherwise :func:`_run_if_weighted` keeps a weightless cycle's
+      result out.
+    apply: also apply the updates to the params (when given), next to
+      `inner` (not with `static`).
+  """
+  total, weight, noise = _reduce(
+    config, engine, inner, cycle.acc, cycle.weight, cycle.noise, static
+  )
+  inv_weight = _inverse_weight(weight)
+  if isinstance(noise, NoiseScaleState):
+    if mean_sq is None:  # The global mean, known only after the reduction.
+      mean_sq = _noise_scale.sq_norm(total, inv_weight, config.axis_name)
+    noise = _noise_scale.fold_cycle(
+      noise, mean_sq, weight, config.noise_scale_decay
+    )
+  apply = apply and cycle.params is not None
+  operands = (total, inv_weight, cycle.inner_state, cycle.params)
+  # A NaN weight runs `inner`, so that the NaN reaches it.
+  updated = jnp.asarray(True) if weight_checked else ~(weight <= 0)
+  run = functools.partial(_run_inner, config, inner, apply)
+  select_ = functools.partial(_run_then_select, config, inner, apply)
+  if weight_checked:
+    updates, inner_state, params = run(updated, *operands)
+  elif static:
+    updates, inner_state, params = select_(updated, *operands)
+  else:
+    skip = functools.partial(_skip_inner, inner)
+    updates, inner_state, params = _run_if_weighted(
+      updated, run, skip, select_, *operands
+    )
+  params = params if apply else None
+  return Ran(updates, inner_state, updated, weight, noise, total, params)
+
+
+def _reduce(config, engine, inner, acc, weight, noise, per_leaf: bool):
+  """The cycle's sums over the devices, in `reduce_dtype` on the wire."""
+  tracked = isinstance(noise, NoiseScaleState)
+  scalars = (weight,)
+  if tracked:  # The count as float32, to join the sum.
+    scalars += (noise.sq_norm_sum, noise.count.astype(jnp.float32))
+  wire = config.reduce_dtype
+  kept = jax.tree.map(lambda a: a.dtype, acc)
+  if wire is not None:
+    acc = jax.tree.map(lambda a: a.astype(wire), acc)
+  acc, scalars = engine.reduce(
+    acc, scalars, per_leaf=per_leaf, specs=inner.reduced_specs
+  )
+  if wire is not None:
+    acc = jax.tree.map(lambda a, d: a.astype(d), acc, kept)
+  if tracked:
+    noise = noise._replace(
+      sq_norm_sum=scalars[1], count=scalars[2].astype(jnp.int32)
+    )
+  return acc, scalars[0], noise
+
+
+def _inverse_weight(total_weight: jax.Array) -> jax.Array:
+  """1 / W, with 1 for a non-positive W (whose cycle updates nothing); a
+  NaN W stays NaN so that it reaches ``inner``."""
+  return 1.0 / jnp.where(total_weight <= 0, 1.0, total_weight)
+
+
+def _mean_sq_norm(acc: Any, total_weight: jax.Array) -> jax.Array:
+  return _noise_scale.sq_norm(acc, _inverse_weight(total_weight))
+
+
+def _mean_gradient(config, inner: Inner, acc: Any, inv_weight: jax.Array):
+  """The gradient handed to `inner`, in the gradients' own dtypes."""
+
+  def mean_leaf(a, g):
+    a = a.astype(compute_dtype(a.dtype))
+    if config.reduction == "mean":
+      a = _control.times_inverse(a, inv_weight)
+    return a.astype(g.dtype)
+
+  # `grad_types` holds shapes only: closing over the gradient arrays would
+  # make them operands of the conditional and materialise them.
+  return jax.tree.map(mean_leaf, acc, inner.grad_types)
+
+
+def _run_inner(config, inner, apply, updated, total, inv_weight, state, params):
+  """`inner` on the cycle's mean gradient, computed here so that it fuses
+  into the inner's kernels; with `apply`, the params updated too."""
+  del updated
+  grad = _mean_gradient(config, inner, total, inv_weight)
+  updates, state = inner.tx.update(grad, state, params, **inner.extra_args)
+  if apply:
+    params = optax.apply_updates(params, updates)
+  return updates, state, params
+
+
+def _run_then_select(
+  config, inner, apply, updated, total, inv_weight, state, params
+):
+  """`inner` run anyway, its result kept for a positive weight by selects
+  that fuse into the inner's own kernels."""
+  run = _run_inner(
+    config, inner, False, updated, total, inv_weight, state, params
+  )
+  updates, new_state, _ = run
+  updates = jax.tree.map(
+    lambda u: jnp.where(updated, u, jnp.zeros([], u.dtype)), updates
+  )
+  new_state = select(updated, new_state, state)
+  if apply:
+    params = select(updated, optax.apply_updates(params, updates), params)
+  return updates, new_state, params
+
+
+def _skip_inner(inner, updated, total, inv_weight, state, params):
+  """No weight: zero updates (traced, one per leaf: `updated` is false
+  here); the params and `inner`'s state as they were."""
+  del total, inv_weight
+  leaves, treedef = jax.tree.flatten(inner.update_types)
+  zeros = _control.distinct_zeros(leaves, updated, zeros_like_type)
+  state = _settle(state, inner.state_types)
+  return jax.tree.unflatten(treedef, zeros), state, params
+
+
+def _settle(inner_state: Any, types: Any) -> Any:
+  """`inner_state` in the dtypes `inner` itself gives its new state.
+
+  So that a holding call leaves the state typed as an updating one, and the
+  inner state behaves as with `inner` alone (which may widen a state leaf,
+  e.g. bf16 moments fed float32 gradients).
+  """
+  return jax.tree.map(
+    lambda x, t: x if x.dtype == t.dtype else x.astype(t.dtype),
+    inner_state,
+    types,
+  )
+
+
+# -- Where CPU and GPU/TPU programs differ. ----------------------------------
+#
+# One meaning of the state on every backend: after a call that ends a cycle,
+# ``acc_grads`` is zeros and ``acc_weight`` 0; while a cycle is open they
+# hold its sum and total weight. A state saved on one backend resumes on any
+# other, bit for bit (tests/test_backend_forms.py). What differs is only how
+# the code gets there, because XLA:CPU and XLA:GPU/TPU treat a buffer passed
+# through a conditional differently.
+
+
+def _per_backend(*args: Any, cpu: Callable, accelerator: Callable) -> Any:
+  """`cpu(*args)` in a program compiled for CPU, else `accelerator(*args)`.
+
+  The tests pin this to one form to run the other on CPU.
+  """
+  return lax.platform_dependent(*args, cpu=cpu, default=accelerator)
+
+
+def _close(engine, update_types, params, out, cycle_ends, updated):
+  """``(new_params, acc)`` once the updates the updating branch wrote into
+  the accumulator's buffer `out` have been read: `params` with them applied
+  (None without params) and the accumulator, zeros if the cycle ended.
+
+  * GPU/TPU: a second conditional, entered when the cycle ends, applies the
+    updates and zeroes the buffer in place; on a micro-step it passes both
+    through untouched, so a micro-step neither reads nor writes them and the
+    add into the accumulator fuses into each weight gradient's GEMM;
+  * CPU: XLA:CPU's copy insertion copies a buffer that a conditional passes
+    through whenever that buffer is read after it
+    (``tests/test_performance_structure.py`` fails on it: one accumulator
+    copy per micro-step). So the params are applied in a conditional of
+    their own and the accumulator returns to zeros with a select, fused into
+    one elementwise pass.
+  """
+
+  def applied(params, out):
+    updates = jax.tree.map(lambda b, t: b.astype(t.dtype), out, update_types)
+    return optax.apply_updates(params, updates)
+
+  def in_conditional(params, out):
+    def close(params, out):
+      if params is not None:  # The select fuses into the update's kernel.
+        params = select(updated, applied(params, out), params)
+      return params, _control.cleared(cycle_ends, out, engine)
+
+    return _control.cond(cycle_ends, close, lambda p, o: (p, o), params, out)
+
+  def with_select(params, out):
+    if params is not None:
+      params = _control.cond(updated, applied, lambda p, o: p, params, out)
+    return params, engine.cleared(cycle_ends, out, out)
+
+  return _per_backend(params, out, cpu=with_select, accelerator=in_conditional)
+
+
+def _run_if_weighted(updated, run, skip, run_then_select, *operands):
+  """The inner optimizer, in a conditional branch that ends every cycle
+  (weightless ones too): its result where `updated` (the total weight is
+  positive, or NaN), else `skip`'s (zero updates, the state as it was).
+  Each callable takes ``(updated, *operands)``.
+
+  * GPU/TPU: `run_then_select`: the optimizer runs, and selects that fuse
+    into its kernels keep its result out (a conditional of its own there
+    costs the 8-H100 ``shard_map`` step a quarter of the accumulator more
+    memory, ``tests/test_accelerators.py``);
+  * CPU (:func:`_control.run_if_weighted`): a conditional of its own, where
+    `skip` passes the state through. XLA:CPU does not update the state in
+    place under the selects, and copies every inner-state leaf twice per
+    micro-step.
+  """
+  return _per_backend(
+    *operands,
+    cpu=lambda *o: _control.run_if_weighted(updated, run, skip, updated, *o),
+    accelerator=functools.partial(run_then_select, updated),
+  )
+
+
+# -- 4. The next state. ------------------------------------------------------
+
+
+def _next_state(config, state, accepted, cycle: Cycle, result: Result):
+  """The state after a call: counters, and the weight seen, k and the
+  controller's state, which change only when the call ended a cycle."""
+  updated, ends = result.updated, result.cycle_ends
+  step = jnp.where(updated, optax.safe_increment(state.step), state.step)
+  weight_seen = jnp.where(
+    updated,
+    _state_lib.add_weight_seen(state.weight_seen, result.cycle_weight),
+    state.weight_seen,
+  )
+  k, grow = state.every_k, state.grow
+  if config.every_k.fixed is None:  # a schedule or the controller
+    next_k, next_grow = _every_k.next_k(
+      config.every_k,
+      state.every_k,
+      state.grow,
+      step=step,
+      weight_seen=weight_seen,
+      noise=result.noise,
+      cycle_micro_batches=cycle.micro_step,
+      emitted=updated,
+      decay=config.noise_scale_decay,
+    )
+    k = jnp.where(ends, next_k, state.every_k)
+    grow = jax.tree.map(
+      lambda n, o: jnp.where(ends, n, o), next_grow, state.grow
+    )
+  return AccumulateState(
+    micro_step=jnp.where(ends, 0, cycle.micro_step),
+    step=step,
+    every_k=k,
+    acc_grads=result.acc,
+    acc_weight=result.acc_weight,
+    weight_seen=weight_seen,
+    inner_state=result.inner_state,
+    num_skipped=jnp.where(
+      accepted, state.num_skipped, optax.safe_increment(state.num_skipped)
+    ),
+    emitted=updated,
+    noise=result.noise,
+    grow=grow,
+  )
+
+
+# ----------------------------------------------------------------------------
+# Tree helpers (microbatch's reductions use them too).
+# ----------------------------------------------------------------------------
+
+
+def compute_dtype(acc_dtype: Any) -> Any:
+  """The dtype in which a gradient is weighted and added: at least float32.
+
+  Chosen explicitly rather than by type promotion, so that it also works
+  under ``jax_numpy_dtype_promotion="strict"``: 16-bit floats compute in
+  float32, wider and complex dtypes in themselves.
+  """
+  dtype = jnp.dtype(acc_dtype)
+  if dtype.itemsize >= 8 or jnp.issubdtype(dtype, jnp.complexfloating):
+    return dtype
+  return jnp.dtype(jnp.float32)
+
+
+def select(flag: jax.Array, new: Any, old: Any) -> Any:
+  """`new` where the scalar `flag` is true, else `old` cast to `new`'s
+  dtypes, leaf by leaf."""
+  return jax.tree.map(
+    lambda n, o: jnp.where(flag, n, o.astype(n.dtype)), new, old
+  )
+
+
+def zeros_like_type(t: Any, dtype: Any = None) -> jax.Array:
+  """Zeros of the shape of `t` (an array or ``ShapeDtypeStruct``), in
+  `dtype` (default `t`'s), with `t`'s sharding where a mesh axis is
+  explicit: there the sharding is part of the type, and a scan carry or the
+  branches of a conditional must agree on it."""
+  dtype = t.dtype if dtype is None else dtype
+  sharding = getattr(t, "sharding", None)
+  if isinstance(sharding, NamedSharding) and any(
+    axis_type == AxisType.Explicit for axis_type in sharding.mesh.axis_types
+  ):
+    return jnp.zeros(t.shape, dtype, out_sharding=sharding)
+  return jnp.zeros(t.shape, dtype)

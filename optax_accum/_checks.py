@@ -9,15 +9,21 @@ is traced, and its weights where they are concrete.
 import functools
 import operator
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, ParamSpec, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 from optax_accum._noise_scale import NoiseStats
 from optax_accum._state import AccumulateState, NoiseScaleState
+
+if TYPE_CHECKING:
+  from optax_accum._accumulate import Config, Local
+
+INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def positive_int(value: Any, name: str, hint: str = "") -> int:
@@ -223,8 +229,8 @@ class Call(NamedTuple):
 
 
 def update_call(
-  config: Any,
-  engine: Any,
+  config: "Config",
+  engine: "Local",
   *,
   weight: Any,
   flush: Any,
@@ -390,6 +396,38 @@ def params_match(params: Any, acc_grads: Any) -> None:
     tree_matches("params", gradient_params(params), acc_grads)
 
 
+def not_unreduced(grads: Any) -> None:
+  """Raises if a gradient is typed unreduced while no `axis_name` says over
+  what to sum it (JAX's own error names neither the cause nor the fix)."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    axes = unreduced_axes(leaf)
+    if axes:
+      name = axes[0] if len(axes) == 1 else axes
+      raise ValueError(
+        f"`updates` leaf {jax.tree_util.keystr(path) or '<root>'} is typed"
+        f" unreduced over {name!r} (each device's partial sum, e.g. from"
+        " `optax_accum.distributed.local_value_and_grad`), but this"
+        f" accumulate has no `axis_name`: build it with `axis_name={name!r}`"
+        " so that it sums them once per cycle."
+      )
+
+
+def spec_of(x: Any) -> P:
+  """The PartitionSpec in the type of an array, tracer or ShapeDtypeStruct."""
+  sharding = getattr(x, "sharding", None)
+  if isinstance(x, jax.ShapeDtypeStruct) or not hasattr(x, "aval"):
+    return getattr(sharding, "spec", P())
+  return getattr(jax.typeof(x).sharding, "spec", P())
+
+
+def unreduced_axes(x: Any) -> tuple:
+  """The mesh axes `x` is typed unreduced over, sorted; ``()`` if none.
+
+  Works on arrays, tracers under ``jit`` and ``jax.ShapeDtypeStruct``.
+  """
+  return tuple(sorted(getattr(spec_of(x), "unreduced", ())))
+
+
 def _weight(weight: Any, skip_nonfinite: bool) -> jax.Array:
   """`weight` as a float32[]; raises naming it. A concrete negative weight
   raises, and so does a concrete NaN or Inf unless `skip_nonfinite` (which
@@ -444,7 +482,7 @@ def _emit(emit: Any, flush: Any) -> bool | None:
   return bool(emit)
 
 
-def _noise_stats(config: Any, engine: Any, noise_stats: Any) -> Any:
+def _noise_stats(config: "Config", engine: "Local", noise_stats: Any) -> Any:
   """`noise_stats` where the engine needs them; raises naming them."""
   if noise_stats is None:
     if config.track_noise_scale and not engine.measures_noise:

@@ -1,25 +1,21 @@
-"""How an ``accumulate`` trace sums over devices: one record per engine.
+"""How an ``accumulate`` trace sums over devices: the engines of ``axis_name``.
 
-``axis_name`` is one argument with three engines, chosen where ``init`` and
-``update`` are traced (:func:`for_init`, :func:`for_update`), once per
-trace:
+Without ``axis_name`` a call never comes here: :class:`optax_accum._accumulate.Local`
+makes one device's sums with plain ``jnp``. With it, the engine is chosen
+where ``init`` and ``update`` are traced (:func:`for_init`,
+:func:`for_update`), once per trace, and overrides ``Local``'s methods:
 
-* :class:`Local`: no ``axis_name``. One device's sums; nothing to agree on
-  or reduce.
 * :class:`ShardMap`: ``axis_name`` is bound (inside ``jax.shard_map``,
   ``pmap`` or a named ``vmap``). Each device's accumulator is its own
   partial sum; devices agree on skips and flushes with ``pmin``/``pmax``,
-  and the emitting call sums with ``psum``.
+  and the updating call sums with ``psum``.
 * :class:`Unreduced`: ``axis_name`` is not bound but is an
   ``AxisType.Explicit`` axis of the mesh set with ``jax.set_mesh`` (plain
   ``jax.jit`` over a mesh). Gradients and accumulator are typed unreduced
-  over the axis, its scalars are global already, and the emitting call sums
+  over the axis, its scalars are global already, and the updating call sums
   with one ``jax.reshard``. Unreduced arrays allow only linear operations,
   so its select, scale and finiteness test come from
   :mod:`optax_accum._unreduced`.
-
-The rest of the step calls the engine's methods and never asks which one it
-has.
 """
 
 import dataclasses
@@ -31,93 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optax_accum import _control, _unreduced
-
-
-@dataclasses.dataclass(frozen=True)
-class Local:
-  """No ``axis_name``: one device's sums."""
-
-  axis_name: Hashable | None = None
-  # Eager ops on this engine's arrays work (not on unreduced ones).
-  runs_eagerly: ClassVar[bool] = True
-  # The cycle's total weight is the same on every device before it is
-  # reduced (not inside shard_map, where each device has its own).
-  global_weight: ClassVar[bool] = True
-  # `accumulate` measures each gradient's norm for the noise scale itself
-  # (not unreduced gradients: `local_value_and_grad` measures them).
-  measures_noise: ClassVar[bool] = True
-
-  # -- Elementwise forms (see _tree.add_term). -------------------------------
-
-  def zero(self, x: Any) -> Any:
-    """A zero to select against `x`."""
-    return jnp.zeros([], x.dtype)
-
-  def select(self, pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-    """``jnp.where`` with a replicated scalar `pred`."""
-    return jnp.where(pred, on_true, on_false)
-
-  def scale(self, x: Any, factor: jax.Array) -> Any:
-    """``x * factor`` for a replicated scalar `factor`."""
-    return x * factor.astype(x.dtype)
-
-  def all_finite(self, tree: Any) -> jax.Array:
-    """Whether every gradient element is finite (on every device whose
-    decision this is)."""
-    finite = jnp.asarray(True)
-    for g in jax.tree.leaves(tree):
-      finite &= jnp.all(jnp.isfinite(g))
-    return finite
-
-  # -- The cycle. ------------------------------------------------------------
-
-  def zeros_like_param(self, param: Any, dtype: Any) -> jax.Array:
-    """A zero accumulator leaf placed like `param`.
-
-    A committed array's sharding is copied; an uncommitted one (created
-    without a device) gives an uncommitted accumulator, as optax's own
-    states. Under ``jit`` an explicit-axes mesh puts the sharding in the
-    tracer's type and ``zeros_like`` keeps it; with auto axes pass
-    ``out_shardings=optax_accum.distributed.state_shardings(tx, params)``.
-    """
-    if isinstance(param, jax.Array) and not isinstance(param, jax.core.Tracer):
-      device = param.sharding if param.committed else None
-      return jnp.zeros(param.shape, dtype, device=device)
-    return jnp.zeros_like(param, dtype=dtype)
-
-  def agree(self, reduce: Callable, flag: jax.Array) -> jax.Array:
-    """`flag` the same on every device of the step (here: itself)."""
-    del reduce
-    return flag
-
-  def reduce(
-    self, acc: Any, scalars: tuple, *, per_leaf: bool, specs: Any
-  ) -> tuple[Any, tuple]:
-    """The cycle's sums over the devices: `acc` and a few float32
-    `scalars` (its weight, the noise-scale sums). Here: as they are."""
-    del per_leaf, specs
-    return acc, scalars
-
-  def reduced_specs(self, acc: Any, params: Any) -> Any:
-    """Where the reduced sum is laid out (None: no layout in the type)."""
-    del acc, params
-    return None
-
-  def shares_buffer(self, acc: Any) -> bool:
-    """Whether the emitted updates may be written into the accumulator's
-    own buffer (design point 2 of :mod:`optax_accum._accumulate`)."""
-    del acc
-    return True
-
-  def cleared(self, acc: Any, total: Any, cycle_end: jax.Array) -> Any:
-    """Zeros in place of the accumulator `acc` at a cycle's end, once
-    `total`, its sum over the devices, is known."""
-    del total
-    return _control.cleared(cycle_end, acc, self)
-
-  def sample_axes(self) -> Hashable | None:
-    """The axes each device's gradient is a noise-scale sample over."""
-    return None
+from optax_accum._accumulate import Local
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,13 +59,13 @@ class ShardMap(Local):
     # types.
     return not _control.varies_over(acc, self.axis_name)
 
-  def cleared(self, acc, total, cycle_end):
+  def cleared(self, cycle_ends, acc, total):
     # Zeros read from the reduced `total`, so that the sum can be reduced
     # in place of the accumulator (reading `acc` again keeps it alive, at
     # the cost of a copy of it); varying as the accumulator does.
     return jax.tree.map(
       lambda a, t: _control.vary_over(
-        jnp.where(cycle_end, jnp.zeros([], t.dtype), t),
+        jnp.where(cycle_ends, jnp.zeros([], t.dtype), t),
         _control.varying_axes(jax.typeof(a)),
       ),
       acc,
@@ -207,18 +117,15 @@ class Unreduced(Local):
     del acc  # The accumulator is unreduced, the updates are not.
     return False
 
-  def cleared(self, acc, total, cycle_end):
+  def cleared(self, cycle_ends, acc, total):
     def leaf(a, t):
-      zeros = jnp.where(cycle_end, jnp.zeros([], t.dtype), t)
+      zeros = jnp.where(cycle_ends, jnp.zeros([], t.dtype), t)
       typed = _unreduced.unreduced_like(zeros, a, self.axis_name)
       if typed is None:  # FSDP: the shapes per device differ.
-        return self.select(cycle_end, self.zero(a), a)
+        return self.select(cycle_ends, self.zero(a), a)
       return typed.astype(a.dtype)
 
     return jax.tree.map(leaf, acc, total)
-
-
-LOCAL = Local()
 
 
 def is_bound(axis_name: Hashable) -> bool:
@@ -240,7 +147,7 @@ def _explicit_on(mesh: Any, axis_name: Hashable) -> bool:
   )
 
 
-def for_init(axis_name: Hashable | None, params: Any) -> Local:
+def for_init(axis_name: Hashable, params: Any) -> Local:
   """The engine of an ``init``, which sees the params but no gradient.
 
   Unreduced when the axis is not bound and is explicit on the mesh set with
@@ -248,8 +155,6 @@ def for_init(axis_name: Hashable | None, params: Any) -> Local:
   otherwise zeros like the params (the shard_map engine's ``init`` outside
   ``shard_map`` included).
   """
-  if axis_name is None:
-    return LOCAL
   if is_bound(axis_name) or not _unreduced.is_supported():
     return ShardMap(axis_name)
   meshes = [jax.sharding.get_abstract_mesh()]
@@ -263,7 +168,7 @@ def for_init(axis_name: Hashable | None, params: Any) -> Local:
   return ShardMap(axis_name)
 
 
-def for_update(axis_name: Hashable | None, grads: Any, acc_grads: Any) -> Local:
+def for_update(axis_name: Hashable, grads: Any, acc_grads: Any) -> Local:
   """The engine of an ``update``; raises if the unreduced engine cannot run.
 
   Raises:
@@ -272,9 +177,6 @@ def for_update(axis_name: Hashable | None, grads: Any, acc_grads: Any) -> Local:
       `grads` or the state's accumulator are not unreduced over it; without
       `axis_name`, if `grads` are unreduced.
   """
-  if axis_name is None:
-    _refuse_unreduced(grads)
-    return LOCAL
   if is_bound(axis_name):
     return ShardMap(axis_name)
   # Not inside shard_map: plain jit (or eager) over an explicit mesh.
@@ -299,19 +201,3 @@ def for_update(axis_name: Hashable | None, grads: Any, acc_grads: Any) -> Local:
       " their shardings."
     ) from None
   return Unreduced(axis_name)
-
-
-def _refuse_unreduced(grads: Any) -> None:
-  """Raises if a gradient is unreduced while no `axis_name` says over what
-  to sum it (JAX's own error names neither the cause nor the fix)."""
-  for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    axes = _unreduced.unreduced_axes(leaf)
-    if axes:
-      name = axes[0] if len(axes) == 1 else axes
-      raise ValueError(
-        f"`updates` leaf {jax.tree_util.keystr(path) or '<root>'} is typed"
-        f" unreduced over {name!r} (each device's partial sum, e.g. from"
-        " `optax_accum.distributed.local_value_and_grad`), but this"
-        f" accumulate has no `axis_name`: build it with `axis_name={name!r}`"
-        " so that it sums them once per cycle."
-      )

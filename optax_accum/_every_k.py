@@ -27,8 +27,8 @@ import numpy as np
 import optax
 
 from optax_accum import _checks, _noise_scale, _state
+from optax_accum._checks import INT32_MAX
 from optax_accum._state import GrowState, NoiseScaleState
-from optax_accum._tree import INT32_MAX
 
 # The largest float32 below 2**31: a float k at or above it holds the cycle.
 _FLOAT32_BELOW_INT32_MAX = float(np.nextafter(np.float32(2**31), 0))
@@ -335,19 +335,6 @@ def init_grow(spec: Spec) -> GrowState | optax.EmptyState:
     changed_at=jnp.zeros([], jnp.int32),
     micro_batches=jnp.zeros([], jnp.float32),
   )
-
-
-def add_weight_seen(seen: jax.Array, weight: jax.Array) -> jax.Array:
-  """Compensated (Kahan) float32 sum: ``seen`` is ``[total, -lost]``.
-
-  Adding many small cycle weights to a large float32 total would round
-  them away; the second entry keeps what each addition lost.
-  """
-  total, lost = seen[0], seen[1]
-  y = weight - lost
-  new_total = total + y
-  lost = (new_total - total) - y
-  return jnp.stack([new_total, lost])
 
 
 def _grown(

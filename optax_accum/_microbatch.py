@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_accum import _checks, _reductions, _tree
+from optax_accum import _checks, _reductions
 
 # ----------------------------------------------------------------------------
 # The batch split (trace time).
@@ -83,7 +83,7 @@ def _micro_batch(split: Any, index: Any) -> Any:
 
 # ----------------------------------------------------------------------------
 # The weight of a micro-batch. Dtypes throughout are chosen explicitly
-# (`_tree.compute_dtype`, `_checks.leaf_accumulator_dtype`), never by
+# (`_accumulate.compute_dtype`, `_checks.leaf_accumulator_dtype`), never by
 # `jnp.promote_types`, which raises under
 # `jax_numpy_dtype_promotion="strict"` for bfloat16 with float32; every
 # operation is between operands of one dtype (or a Python scalar).
@@ -436,9 +436,9 @@ def microbatch(
       f" {type(value_and_grad_fn).__name__}."
     )
   n = _checks.positive_int(num_microbatches, "num_microbatches")
-  if n > _tree.INT32_MAX:  # The scan's micro-batch index is an int32.
+  if n > _checks.INT32_MAX:  # The scan's micro-batch index is an int32.
     raise ValueError(
-      f"`num_microbatches` must be at most {_tree.INT32_MAX}, got {n}."
+      f"`num_microbatches` must be at most {_checks.INT32_MAX}, got {n}."
     )
   if weight_fn is not None and not callable(weight_fn):
     raise TypeError(

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum import _checks, _engines, _tree
+from optax_accum import _checks
+from optax_accum._accumulate import add_term, compute_dtype, zeros_like_type
 
 
 class Total(NamedTuple):
@@ -48,15 +49,13 @@ def _not_carried(shape: jax.ShapeDtypeStruct, dtype: Any) -> None:
 
 def _add_weighted(acc: jax.Array, value: Any, weight: Any) -> tuple:
   keep = None if weight is None else weight != 0
-  added = _tree.add_term(
-    acc, value, ops=_engines.LOCAL, weight=weight, keep=keep
-  )
+  added = add_term(acc, value, weight=weight, keep=keep)
   return added, None
 
 
 def _weighted_mean(acc: jax.Array, emitted: Any, shape: Any, total: Total):
   del emitted
-  compute = _tree.compute_dtype(acc.dtype)
+  compute = compute_dtype(acc.dtype)
   acc = acc.astype(compute)
   if total.weighted:
     mean = jnp.where(total.positive, acc / total.safe_weight.astype(compute), 0)
@@ -71,14 +70,14 @@ def _the_carry(acc: Any, emitted: Any, shape: Any, total: Total) -> Any:
 
 
 # Floating leaves (the loss, gradients, floating aux): the weighted mean.
-_MEAN = Reduction(_tree.zeros_like_type, _add_weighted, _weighted_mean)
+_MEAN = Reduction(zeros_like_type, _add_weighted, _weighted_mean)
 # Integer aux leaves (counts): the sum.
 _SUM = Reduction(
-  _tree.zeros_like_type, lambda acc, value, _: (acc + value, None), _the_carry
+  zeros_like_type, lambda acc, value, _: (acc + value, None), _the_carry
 )
 # Boolean aux leaves (flags): logical or.
 _ANY = Reduction(
-  _tree.zeros_like_type, lambda acc, value, _: (acc | value, None), _the_carry
+  zeros_like_type, lambda acc, value, _: (acc | value, None), _the_carry
 )
 # PRNG keys and other extended dtypes: the last micro-batch's value.
 _LAST = Reduction(
@@ -125,7 +124,7 @@ def plan(out_shape: Any, accumulator_dtype: Any) -> list[Leaf]:
   for shape in jax.tree.leaves(out_shape[0]):
     reduction, dtype = _reduction(shape.dtype), shape.dtype
     if reduction is _MEAN:
-      dtype = _tree.compute_dtype(dtype)
+      dtype = compute_dtype(dtype)
     plan.append(Leaf(reduction, dtype, shape))
   for path, shape in jax.tree_util.tree_flatten_with_path(out_shape[1])[0]:
     reduction, dtype = _reduction(shape.dtype), shape.dtype

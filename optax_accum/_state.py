@@ -319,3 +319,16 @@ def total_of(weight_seen: Any) -> jax.Array:
   """The value of a compensated ``[total, -rounding error]`` sum."""
   seen = jnp.asarray(weight_seen)
   return seen[..., 0] - seen[..., 1]
+
+
+def add_weight_seen(seen: jax.Array, weight: jax.Array) -> jax.Array:
+  """Compensated (Kahan) float32 sum: ``seen`` is ``[total, -lost]``.
+
+  Adding many small cycle weights to a large float32 total would round
+  them away; the second entry keeps what each addition lost.
+  """
+  total, lost = seen[0], seen[1]
+  y = weight - lost
+  new_total = total + y
+  lost = (new_total - total) - y
+  return jnp.stack([new_total, lost])

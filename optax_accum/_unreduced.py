@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_accum import _versions
+from optax_accum._checks import spec_of, unreduced_axes
 from optax_accum._control import axis_tuple
 
 AxisName = Hashable
@@ -120,26 +121,10 @@ def check_explicit_axis(axis_name: AxisName = "data", mesh: Any = None) -> Any:
   return mesh
 
 
-def spec_of(x: Any) -> P:
-  """The PartitionSpec in the type of an array, tracer or ShapeDtypeStruct."""
-  sharding = getattr(x, "sharding", None)
-  if isinstance(x, jax.ShapeDtypeStruct) or not hasattr(x, "aval"):
-    return getattr(sharding, "spec", P())
-  return getattr(jax.typeof(x).sharding, "spec", P())
-
-
 def partitions(spec: P) -> tuple:
   """The per-dimension entries of `spec` (``*spec`` is refused once it has
   unreduced or reduced axes)."""
   return tuple(getattr(spec, "partitions", spec))
-
-
-def unreduced_axes(x: Any) -> tuple:
-  """The mesh axes `x` is typed unreduced over, sorted; ``()`` if none.
-
-  Works on arrays, tracers under ``jit`` and ``jax.ShapeDtypeStruct``.
-  """
-  return tuple(sorted(getattr(spec_of(x), "unreduced", ())))
 
 
 def is_unreduced(x: Any, axis_name: AxisName = "data") -> bool:

@@ -26,7 +26,7 @@ import bench_compiled  # noqa: E402
 import jax  # noqa: E402
 from jax import lax  # noqa: E402
 
-from optax_accum import _backend, _control, _cycle  # noqa: E402
+from optax_accum import _accumulate, _control  # noqa: E402
 
 
 def _plain_lax_cond(pred, true_fun, false_fun, *operands):
@@ -47,22 +47,24 @@ def _cpu_form_everywhere(*args, cpu, accelerator):
   return cpu(*args)
 
 
-_reduce = _cycle._reduce
+_reduce = _accumulate._reduce
 
 
-def _reduction_after_the_whole_gradient(step, acc, weight, noise, per_leaf):
+def _reduction_after_the_whole_gradient(
+  config, engine, inner, acc, weight, noise, per_leaf
+):
   """Every leaf's reduction waits for the whole accumulator."""
   acc = lax.optimization_barrier(acc)
-  return _reduce(step, acc, weight, noise, per_leaf)
+  return _reduce(config, engine, inner, acc, weight, noise, per_leaf)
 
 
 # name -> (module, attribute, replacement)
 PLANTS = {
   "lax_cond": (_control, "cond", _plain_lax_cond),
   "holding_branch_last": (_control, "cond", _holding_branch_last),
-  "cpu_form": (_backend, "_per_backend", _cpu_form_everywhere),
+  "cpu_form": (_accumulate, "_per_backend", _cpu_form_everywhere),
   "one_reduction": (
-    _cycle,
+    _accumulate,
     "_reduce",
     _reduction_after_the_whole_gradient,
   ),

@@ -498,7 +498,7 @@ def test_a_holding_branch_that_is_not_branch_0_copies(facts):
 def test_the_cpu_form_on_an_accelerator_costs_a_pass_over_the_accumulator(
   facts,
 ):
-  """The CPU form's select (optax_accum/_backend.py) on an H100: the add
+  """The CPU form's select (optax_accum/_accumulate.py, `_close`) on an H100: the add
   still fuses into the GEMMs, but every micro-step reads and writes the
   accumulator once more."""
   assert gemms_fused(facts["h100/plant/cpu_form"]) is None

@@ -1,10 +1,11 @@
-"""One meaning of the state on every backend (``optax_accum/_backend.py``).
+"""One meaning of the state on every backend (``_per_backend`` in
+``optax_accum/_accumulate.py``).
 
 A program compiled for CPU and one compiled for GPU or TPU close a cycle in
 different ways (a select, or a conditional that zeroes the accumulator in
 place), and both leave the same state: zeros and weight 0 after a call that
 ends a cycle. This machine runs only the CPU form, so these tests pin
-``_backend._per_backend`` to each form in turn and run both on CPU: the same
+``_accumulate._per_backend`` to each form in turn and run both on CPU: the same
 updates, params and states, bit for bit, and a state saved by one form
 resumes in the other as if nothing had changed. A state optax_accum 0.1
 left on CPU after an emission costs one cycle without an update, never a
@@ -19,7 +20,7 @@ import optax
 import pytest
 
 import optax_accum
-from optax_accum import _accumulate, _backend
+from optax_accum import _accumulate
 
 FORMS = {
   "cpu": lambda *args, cpu, accelerator: cpu(*args),
@@ -30,7 +31,7 @@ FORMS = {
 def _pin(monkeypatch, form):
   """Every accumulate traced from now on takes `form`. JAX caches a trace
   per function: build a new transformation after pinning."""
-  monkeypatch.setattr(_backend, "_per_backend", FORMS[form])
+  monkeypatch.setattr(_accumulate, "_per_backend", FORMS[form])
   _accumulate._jitted_update.cache_clear()
 
 

@@ -93,7 +93,7 @@ def test_k_never_changes_mid_cycle(mode, seed):
 def test_weight_seen_is_a_compensated_sum():
   """Past 2**24 a float32 total no longer moves by 1; the sum still counts."""
   seen = jnp.asarray([2.0**24, 0.0], jnp.float32)
-  add = jax.jit(optax_accum._every_k.add_weight_seen)
+  add = jax.jit(optax_accum._state.add_weight_seen)
   plain = jnp.float32(2.0**24)
   for _ in range(100):
     seen = add(seen, jnp.float32(1.0))
