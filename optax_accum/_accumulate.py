@@ -220,7 +220,7 @@ def accumulate(
   track_noise_scale = _checks.boolean(track_noise_scale, "track_noise_scale")
   config = Config(
     inner=_inner_for(inner),
-    every_k=_every_k.check(every_k, track_noise_scale),
+    every_k=_every_k.to_spec(every_k, track_noise_scale),
     reduction=reduction,
     accumulator_dtype=_checks.accumulator_dtype(accumulator_dtype),
     skip_nonfinite=_checks.boolean(skip_nonfinite, "skip_nonfinite"),

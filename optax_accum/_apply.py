@@ -6,23 +6,38 @@ updates are zeros: on an accelerator that is as many bytes again as the
 gradient's add into the accumulator. :func:`apply_updates` applies them only
 when they were emitted.
 
-The record between ``update`` and ``apply_updates`` (the contract). A traced
-``accumulate`` update given `params` computes, in the conditional that
-closes a cycle, the params with the updates applied (and passes them
-through untouched on a micro-step): applying them there, before the
-accumulator's buffer returns to zeros, is what keeps a micro-step free of
-copies. The update records, for the duration of the trace, which arrays it
-returned (:func:`remember`, a module-level table keyed by the first update
-leaf, whose entry goes when that tracer goes). :func:`apply_updates`, given
-exactly those update arrays and params, returns that result, and XLA drops
-whichever of the two results goes unused. Given anything else (updates
-transformed after ``accumulate``, as an ``optax.chain`` member after it
-does, or other params) it applies what it is given inside a conditional of
-its own: the same values, in a program that may copy the accumulator on
-micro-steps; ``optax_accum.inspect.check_step`` reports it.
+**The contract between ``update`` and ``apply_updates``** (owned here, and
+only here). A traced ``accumulate`` update given `params` computes, in the
+conditional that closes a cycle, the params with the updates applied (and
+passes them through untouched on a micro-step): applying them there, before
+the accumulator's buffer returns to zeros, is what keeps a micro-step free
+of copies. So:
+
+* the writer: ``update`` calls :func:`remember` with the update tracers it
+  returns, its ``bool[]`` (or, with ``emit=``, Python bool) decision, the
+  params it was given and the params it computed;
+* the table: :data:`_RECORDS`, keyed by ``id()`` of the first update leaf;
+  each record holds weak references to the update and param leaves, so it
+  keeps no tracer alive;
+* the reader: :func:`apply_updates` looks up its `updates` (:func:`_recall`)
+  and uses the record only if every update leaf, and every param leaf, is
+  the very object the update returned and was given; then it returns the
+  params computed in the conditional, and XLA drops whichever of the two
+  results goes unused. Given anything else (updates transformed after
+  ``accumulate``, as an ``optax.chain`` member after it does, or other
+  params) it applies what it is given inside a conditional of its own: the
+  same values, in a program that may copy the accumulator on micro-steps
+  (``optax_accum.inspect.check_step`` reports it);
+* lifetime: an entry lives as long as its first update tracer, i.e. for the
+  trace that made it (``weakref.finalize`` removes it); eager calls record
+  nothing (nothing runs there that could be skipped);
+* threads: JAX traces on the calling thread; entries of traces running at
+  once in several threads cannot collide (``id()`` is unique among live
+  objects, and a match needs the same objects), and each dict operation is
+  atomic under the GIL. A record is only ever read back by the thread whose
+  trace holds its tracers.
 """
 
-import contextlib
 import weakref
 from typing import Any, NamedTuple
 
@@ -46,29 +61,6 @@ class _Record(NamedTuple):
 # id(first update leaf) -> _Record, while that leaf (a tracer) lives.
 _RECORDS: dict[int, _Record] = {}
 
-# While :func:`watching` is active: what ``update`` and :func:`apply_updates`
-# did in the traces it covers (for ``optax_accum.inspect.check_step``).
-_EVENTS: list[str] | None = None
-
-
-@contextlib.contextmanager
-def watching():
-  """Collects, in the list it yields, one event per traced ``update``
-  (``"update"``) and :func:`apply_updates` call (``"applied"``: the update's
-  own result; ``"static"``: a static call; ``"fallback"``: updates or params
-  other than the update's, applied in a conditional of their own)."""
-  global _EVENTS
-  outer, _EVENTS = _EVENTS, []
-  try:
-    yield _EVENTS
-  finally:
-    _EVENTS = outer
-
-
-def _event(name: str) -> None:
-  if _EVENTS is not None:
-    _EVENTS.append(name)
-
 
 def _is_tracer(x: Any) -> bool:
   return isinstance(x, jax.core.Tracer)
@@ -87,8 +79,9 @@ def _same(refs: tuple, tree: Any) -> bool:
 
 def remember(
   updates: Any, emitted: Any, params: Any = None, new_params: Any = None
-) -> None:
-  """Records that `updates` came from an ``accumulate`` call.
+) -> bool:
+  """Records that `updates` came from an ``accumulate`` call; returns
+  whether it did (only traced calls are recorded).
 
   Args:
     updates: the update tree the call returns.
@@ -99,11 +92,11 @@ def remember(
   """
   leaves = jax.tree.leaves(updates)
   if not leaves or not all(map(_is_tracer, leaves)):
-    return  # Eager: nothing runs that could be skipped.
-  _event("update")
+    return False  # Eager: nothing runs that could be skipped.
   key = id(leaves[0])
   _RECORDS[key] = _Record(_refs(updates), emitted, _refs(params), new_params)
   weakref.finalize(leaves[0], _RECORDS.pop, key, None)
+  return True
 
 
 def _recall(updates: Any) -> _Record | None:
@@ -168,20 +161,33 @@ def apply_updates(
   if state is None:  # No accumulation: every call is an optimizer step.
     return optax.apply_updates(params, updates)
   record = _recall(updates)
-  if record is not None and isinstance(record.emitted, bool):
-    _event("static")
+  # jnp.asarray unwraps array-like leaves too, such as the OptArray leaves
+  # of a flax.nnx.Optimizer's opt_state.
+  emitted = jnp.asarray(state.emitted if record is None else record.emitted)
+  how = _route(record, params, emitted)
+  if how == "static":
     return optax.apply_updates(params, updates) if record.emitted else params
+  if how == "applied":
+    return record.new_params
+  if how == "eager":
+    return optax.apply_updates(params, updates) if bool(emitted) else params
+  return _control.cond(emitted, optax.apply_updates, _keep, params, updates)
+
+
+def _route(record: _Record | None, params: Any, emitted: jax.Array) -> str:
+  """How :func:`apply_updates` applies: ``"static"`` (the update knew at
+  trace time, ``emit=``), ``"applied"`` (the params the update computed,
+  per the contract), ``"eager"`` (a concrete decision), or ``"fallback"``
+  (updates or params other than the update's, applied in a conditional of
+  their own)."""
+  if record is not None and isinstance(record.emitted, bool):
+    return "static"
   if (
     record is not None
     and record.new_params is not None
     and _same(record.params, params)
   ):
-    _event("applied")
-    return record.new_params
-  # jnp.asarray unwraps array-like leaves too, such as the OptArray leaves
-  # of a flax.nnx.Optimizer's opt_state.
-  emitted = jnp.asarray(state.emitted if record is None else record.emitted)
+    return "applied"
   if not _is_tracer(emitted):
-    return optax.apply_updates(params, updates) if bool(emitted) else params
-  _event("fallback")
-  return _control.cond(emitted, optax.apply_updates, _keep, params, updates)
+    return "eager"
+  return "fallback"

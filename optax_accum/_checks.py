@@ -269,16 +269,22 @@ def state(value: Any, track_noise_scale: bool) -> None:
 
 
 def not_a_foreign_restore(value: AccumulateState) -> None:
-  """Raises if a concrete state holds a sum with no cycle under way.
+  """Raises if a concrete state holds a sum with no cycle under way, before
+  the run's first update (``step`` 0).
 
   No call leaves that (a cycle's end leaves zeros and weight 0; optax_accum
   0.1 on CPU left its weight too): it is what a restore that fills a
   ``MultiSteps`` checkpoint's missing fields from a fresh target gives,
   ``MultiSteps``' running mean beside a fresh counter and inner state.
   """
-  if is_traced((value.micro_step, value.acc_weight)):
+  counters = (value.step, value.micro_step, value.acc_weight)
+  if is_traced(counters):
     return
-  if int(value.micro_step) != 0 or float(value.acc_weight) != 0:
+  # Only a state with a fresh target's counters can be such a restore, so
+  # the accumulator is read at most until the run's first update.
+  if int(value.step) != 0 or int(value.micro_step) != 0:
+    return
+  if float(value.acc_weight) != 0:
     return
   leaves = jax.tree.leaves(value.acc_grads)
   if is_traced(leaves) or not all(

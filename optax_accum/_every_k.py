@@ -267,7 +267,7 @@ def _takes_weight_seen(schedule: Callable) -> bool:
   )
 
 
-def check(every_k: Any, track_noise_scale: bool) -> Spec:
+def to_spec(every_k: Any, track_noise_scale: bool) -> Spec:
   """Validates ``every_k`` at construction; raises naming it."""
   if isinstance(every_k, GrowEveryK):
     if not track_noise_scale:

@@ -1,7 +1,7 @@
 """`microbatch`: exact, token-weighted micro-batching inside one step.
 
 Read top to bottom: the batch split, the weight, the scan (each output
-leaf reduced as :mod:`optax_accum._reductions` plans), plain and NNX steps,
+leaf reduced as :mod:`optax_accum._reductions` chooses), plain and NNX steps,
 then :func:`microbatch` itself.
 """
 
@@ -90,7 +90,7 @@ def _micro_batch(split: Any, index: Any) -> Any:
 # ----------------------------------------------------------------------------
 
 
-def _weight(raw: Any) -> jax.Array:
+def _weight_of(raw: Any) -> jax.Array:
   """One micro-batch's weight, `weight_fn`'s output, as a float32 scalar."""
   try:
     weight = jnp.asarray(raw)
@@ -142,20 +142,20 @@ def _call(step, weight_fn, split, index, carried):
   """Micro-batch `index`: `(out, weight or None, carried)`."""
   micro = _micro_batch(split, index)
   out, carried = step(micro, carried)
-  weight = None if weight_fn is None else _weight(weight_fn(micro))
+  weight = None if weight_fn is None else _weight_of(weight_fn(micro))
   return out, weight, carried
 
 
-def _add(plan, treedef, accs, out, weight):
+def _add_outputs(leaves, treedef, accs, out, weight):
   """Adds one micro-batch's output: new carries and scan outputs."""
-  new_accs, emitted = [], []
+  new_accs, scanned = [], []
   for leaf, acc, value in zip(
-    plan, accs, treedef.flatten_up_to(out), strict=True
+    leaves, accs, treedef.flatten_up_to(out), strict=True
   ):
     acc, value = leaf.reduction.update(acc, value, weight)
     new_accs.append(acc)
-    emitted.append(value)
-  return new_accs, emitted
+    scanned.append(value)
+  return new_accs, scanned
 
 
 def _scan(step, carried, split, n, weight_fn, accumulator_dtype, params=None):
@@ -171,19 +171,19 @@ def _scan(step, carried, split, n, weight_fn, accumulator_dtype, params=None):
     micro = jax.eval_shape(lambda: _micro_batch(split, 0))
   _reductions.check_output(out_shape, params, micro)
   treedef = jax.tree.structure(out_shape)
-  plan = _reductions.plan(out_shape, accumulator_dtype)
+  leaves = _reductions.leaves_of(out_shape, accumulator_dtype)
 
   def body(carry, index):
     accs, total_weight, carried = carry
     out, weight, carried = call(index, carried)
-    accs, emitted = _add(plan, treedef, accs, out, weight)
+    accs, scanned = _add_outputs(leaves, treedef, accs, out, weight)
     if weight is not None:
       total_weight = total_weight + weight
-    return (accs, total_weight, carried), emitted
+    return (accs, total_weight, carried), scanned
 
-  accs = [leaf.reduction.init(leaf.shape, leaf.dtype) for leaf in plan]
+  accs = [leaf.reduction.init(leaf.shape, leaf.dtype) for leaf in leaves]
   carry = (accs, jnp.zeros([], jnp.float32), carried)
-  (accs, total_weight, carried), emitted = lax.scan(
+  (accs, total_weight, carried), scanned = lax.scan(
     body, carry, jnp.arange(n, dtype=jnp.int32)
   )
   positive = total_weight > 0
@@ -192,7 +192,7 @@ def _scan(step, carried, split, n, weight_fn, accumulator_dtype, params=None):
   )
   results = [
     leaf.reduction.finalize(acc, ys, leaf.shape, total)
-    for leaf, acc, ys in zip(plan, accs, emitted, strict=True)
+    for leaf, acc, ys in zip(leaves, accs, scanned, strict=True)
   ]
   if weight_fn is not None:
     results = _poisoned(results, total_weight)

@@ -1,6 +1,6 @@
 """How each output leaf of :func:`optax_accum.microbatch` is reduced over
 the micro-batches: one :class:`Reduction` record per kind (weighted mean,
-sum, any, last), chosen once per leaf from its dtype by :func:`plan`, and
+sum, any, last), chosen once per leaf from its dtype by :func:`leaves_of`, and
 the checks of the output's structure.
 """
 
@@ -30,10 +30,10 @@ class Reduction(NamedTuple):
   Attributes:
     init: ``init(shape, dtype)``, the scan carry before micro-batch 0 (None
       for a leaf that is not carried).
-    update: ``update(acc, value, weight) -> (acc, emitted)``: the new carry
+    update: ``update(acc, value, weight) -> (acc, scanned)``: the new carry
       and what this micro-batch adds to the scan's outputs (None: nothing).
-    finalize: ``finalize(acc, emitted, shape, total)``, the result, where
-      ``emitted`` is stacked over the micro-batches.
+    finalize: ``finalize(acc, scanned, shape, total)``, the result, where
+      ``scanned`` is stacked over the micro-batches.
   """
 
   init: Callable[[jax.ShapeDtypeStruct, Any], Any]
@@ -53,8 +53,8 @@ def _add_weighted(acc: jax.Array, value: Any, weight: Any) -> tuple:
   return added, None
 
 
-def _weighted_mean(acc: jax.Array, emitted: Any, shape: Any, total: Total):
-  del emitted
+def _weighted_mean(acc: jax.Array, scanned: Any, shape: Any, total: Total):
+  del scanned
   compute = compute_dtype(acc.dtype)
   acc = acc.astype(compute)
   if total.weighted:
@@ -64,8 +64,8 @@ def _weighted_mean(acc: jax.Array, emitted: Any, shape: Any, total: Total):
   return mean.astype(shape.dtype)
 
 
-def _the_carry(acc: Any, emitted: Any, shape: Any, total: Total) -> Any:
-  del emitted, shape, total
+def _the_carry(acc: Any, scanned: Any, shape: Any, total: Total) -> Any:
+  del scanned, shape, total
   return acc
 
 
@@ -83,13 +83,13 @@ _ANY = Reduction(
 _LAST = Reduction(
   _not_carried,
   lambda acc, value, _: (None, value),
-  lambda acc, emitted, shape, total: emitted[-1],
+  lambda acc, scanned, shape, total: scanned[-1],
 )
 # `jax.grad(..., allow_int=True)`'s float0 zeros for integer arguments.
 _FLOAT0 = Reduction(
   _not_carried,
   lambda acc, value, _: (None, None),
-  lambda acc, emitted, shape, total: np.zeros(shape.shape, jax.dtypes.float0),
+  lambda acc, scanned, shape, total: np.zeros(shape.shape, jax.dtypes.float0),
 )
 
 
@@ -113,19 +113,19 @@ class Leaf(NamedTuple):
   shape: jax.ShapeDtypeStruct
 
 
-def plan(out_shape: Any, accumulator_dtype: Any) -> list[Leaf]:
+def leaves_of(out_shape: Any, accumulator_dtype: Any) -> list[Leaf]:
   """The `Leaf` of every leaf of `out_shape`, in `jax.tree.leaves` order.
 
   The value's leaves (loss, aux) come first, then the gradient's: floating
   value leaves are summed in at least float32, floating gradient leaves in
   `accumulator_dtype`, other leaves in their own dtype.
   """
-  plan = []
+  leaves = []
   for shape in jax.tree.leaves(out_shape[0]):
     reduction, dtype = _reduction(shape.dtype), shape.dtype
     if reduction is _MEAN:
       dtype = compute_dtype(dtype)
-    plan.append(Leaf(reduction, dtype, shape))
+    leaves.append(Leaf(reduction, dtype, shape))
   for path, shape in jax.tree_util.tree_flatten_with_path(out_shape[1])[0]:
     reduction, dtype = _reduction(shape.dtype), shape.dtype
     if reduction is _MEAN:
@@ -134,8 +134,8 @@ def plan(out_shape: Any, accumulator_dtype: Any) -> list[Leaf]:
       except ValueError as e:
         name = "grads" + jax.tree_util.keystr(path)
         raise ValueError(f"{e} The leaf: {name}.") from e
-    plan.append(Leaf(reduction, dtype, shape))
-  return plan
+    leaves.append(Leaf(reduction, dtype, shape))
+  return leaves
 
 
 _USE_VALUE_AND_GRAD = (

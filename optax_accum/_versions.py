@@ -95,7 +95,7 @@ def _distribution_version(name: str) -> str | None:
     return None
 
 
-def check() -> None:
+def check_installed() -> None:
   """Raises ImportError if the installed jax, jaxlib or optax is too old."""
   import jax
   import jaxlib.version
@@ -125,4 +125,4 @@ def check() -> None:
     raise ImportError(found)
 
 
-check()
+check_installed()

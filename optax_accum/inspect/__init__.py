@@ -4,9 +4,13 @@ Imported only when used (``import optax_accum`` does not load the HLO
 reader). Everything here reads the program XLA compiled for a step
 (``jax.jit(step).lower(*args).compile()``), never runs it.
 
+* :func:`check_step` reports what a user's own jitted train step does on a
+  micro-step (donation, the conditional, copies, reductions, memory beyond
+  the accumulator) as a :class:`StepReport`; :func:`assert_step` raises
+  when that report lists a problem;
 * :func:`collectives` lists the cross-device collectives of a compiled step
-  with their bytes, the branch they sit in and the devices they span;
-  :func:`format_collectives` prints them as a table;
+  (:class:`Collective`: bytes, the branch they sit in, the devices they
+  span); :func:`format_collectives` prints them as a table;
 * :func:`assert_reduction_deferred` fails when a gradient-sized reduction
   runs on a micro-step.
 """

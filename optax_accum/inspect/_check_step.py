@@ -8,6 +8,7 @@ report reads the trace (which ``apply_updates`` ran) and the compiled program
 beyond the accumulator).
 """
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -103,6 +104,40 @@ def _undonated(lowered: Any, positions: list[int]) -> list[int]:
     for i in positions
     if not all(leaf.donated for leaf in jax.tree.leaves(args_info[i]))
   ]
+
+
+@contextlib.contextmanager
+def _watching():
+  """Collects, in the list it yields, what the traces it covers did: one
+  ``"update"`` per traced ``accumulate`` update that recorded its updates
+  for :func:`optax_accum.apply_updates`, and one entry per
+  ``apply_updates`` call naming how it applied (``_apply._route``:
+  ``"applied"``, ``"static"``, ``"eager"`` or ``"fallback"``).
+
+  It wraps the two ends of the contract of ``optax_accum/_apply.py`` for
+  the duration of the block (process-wide: ``check_step`` is a debugging
+  aid, not for a step traced in another thread at the same time) and
+  restores them after.
+  """
+  events: list[str] = []
+  remember, route = _apply.remember, _apply._route
+
+  def watched_remember(*args, **kwargs):
+    recorded = remember(*args, **kwargs)
+    if recorded:
+      events.append("update")
+    return recorded
+
+  def watched_route(*args, **kwargs):
+    how = route(*args, **kwargs)
+    events.append(how)
+    return how
+
+  _apply.remember, _apply._route = watched_remember, watched_route
+  try:
+    yield events
+  finally:
+    _apply.remember, _apply._route = remember, route
 
 
 def _trace_problems(events: list[str]) -> list[str]:
@@ -206,7 +241,7 @@ def check_step(
   _collectives.axis_names(axis_name)  # its type, before compiling
   if target is not None:
     args = _plan.placed(args, _plan.where_to_compile(target, None).mesh)
-  with _apply.watching() as events:
+  with _watching() as events:
     _fresh_trace(step, args)
   lowered = step.lower(*args)
   lowered = getattr(lowered, "lowered", lowered)  # nnx.jit's stage wraps it
@@ -290,7 +325,7 @@ def _reductions(
   ]
   if found and axis_name is not None:
     hlo = _hlo.HloModule(compiled.as_text())
-    axes = _collectives.spanned_axes(records, hlo, compiled, axis_name)
+    axes = _collectives.mesh_axes_of(records, hlo, compiled, axis_name)
     names = set(_collectives.axis_names(axis_name))
     found = [c for c in found if names & set(axes[c])]
   return tuple(f"{c.opcode} {c.name}: {c.bytes} bytes" for c in found)

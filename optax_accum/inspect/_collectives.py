@@ -345,7 +345,7 @@ def assert_reduction_deferred(
   ]
   axes = None
   if names:
-    axes = spanned_axes(records, hlo, compiled, axis_name, mesh)
+    axes = mesh_axes_of(records, hlo, compiled, axis_name, mesh)
     reductions = [c for c in reductions if set(names) & set(axes[c])]
   if reductions:
     over = f" across mesh axis {' or '.join(map(repr, names))}" if names else ""
@@ -473,7 +473,7 @@ def _coordinates(
   return [tuple(map(int, np.unravel_index(i, shape))) for i in range(count)]
 
 
-def spanned_axes(
+def mesh_axes_of(
   records: list[Collective],
   hlo: _hlo.HloModule,
   compiled: jax.stages.Compiled | None,
