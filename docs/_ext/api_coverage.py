@@ -1,0 +1,58 @@
+"""Fails the build when a public name has no entry in the API reference.
+
+The public names of a module are its ``__all__``; a module without one (only
+``optax_accum.targets``) offers its functions and classes. A name has an entry
+when the Python domain holds it under that module's path (an autodoc
+directive for ``optax_accum.flax.Optimizer``; the private module the object
+lives in does not count).
+Every missing name is reported, as an error (the build fails with or without
+``-W``).
+"""
+
+import importlib
+import inspect
+
+from sphinx.application import Sphinx
+from sphinx.errors import ExtensionError
+
+
+def public_names(module_name: str) -> list[str]:
+  """The names of `module_name` that need an API entry."""
+  module = importlib.import_module(module_name)
+  names = getattr(module, "__all__", None)
+  if names is not None:
+    return list(names)
+  return sorted(
+    name
+    for name, value in vars(module).items()
+    if not name.startswith("_")
+    and (inspect.isfunction(value) or inspect.isclass(value))
+    and value.__module__ == module_name
+  )
+
+
+def missing(app: Sphinx) -> list[str]:
+  documented = set(app.env.get_domain("py").objects)
+  return [
+    f"{module}.{name}"
+    for module in app.config.api_coverage_modules
+    for name in public_names(module)
+    if f"{module}.{name}" not in documented
+  ]
+
+
+def _check(app: Sphinx, exception):
+  if exception is not None or app.builder.name != "html":
+    return
+  names = missing(app)
+  if names:
+    raise ExtensionError(
+      "public names without an API entry (add them to docs/api/): "
+      + ", ".join(names)
+    )
+
+
+def setup(app: Sphinx):
+  app.add_config_value("api_coverage_modules", [], "env")
+  app.connect("build-finished", _check)
+  return {"parallel_read_safe": True, "env_version": 1}
