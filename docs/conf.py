@@ -47,7 +47,20 @@ include_patterns = [
   "benchmarks/results/gpu/*.md",
   "examples/lm/results/*.md",
 ]
-exclude_patterns = ["docs/_build", "docs/_ext", "docs/_root"]
+# Not walked at all: the virtual environments (tens of thousands of files)
+# and the other folders that hold no page.
+exclude_patterns = [
+  ".*",
+  "build",
+  "constraints",
+  "optax_accum",
+  "tests",
+  "tools",
+  "**/__pycache__",
+  "docs/_build",
+  "docs/_ext",
+  "docs/_root",
+]
 root_doc = "docs/index"
 # `docs/_build/html/index.html`: a redirect to the site's index.
 html_extra_path = ["_root"]
