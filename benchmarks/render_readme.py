@@ -28,11 +28,11 @@ HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
 RESULTS = HERE / "results"
 LM_RESULTS = HERE.parent / "examples" / "lm" / "results"
-# The pages with results blocks: this guide, and the scaling guide (the
-# wire dtype's accuracy).
+# The pages with results blocks: this guide, the HSDP guide (the wire
+# dtype's accuracy) and the landing page.
 PAGES = (
   README,
-  HERE.parent / "examples" / "README.md",
+  HERE.parent / "docs" / "guides" / "scaling_hsdp.md",
   HERE.parent / "README.md",
 )
 MB = 2**20

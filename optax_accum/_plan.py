@@ -47,7 +47,7 @@ class Candidate:
 
 @dataclasses.dataclass(frozen=True)
 class MicroBatchPlan:
-  """What :func:`plan_micro_batch` chose, and every candidate it compiled.
+  """What :func:`~optax_accum.plan_micro_batch` chose, and every candidate it compiled.
 
   Attributes:
     micro_batch: Examples per micro-step: the largest candidate that fits.

@@ -6,7 +6,7 @@ and the accelerator compilers on ``PYTHONPATH`` (``tests/_common.accel_env``)::
 
   python tests/_flax_mesh_accel_worker.py
 
-The step is the guide's (``examples/README.md``, "On a data-parallel mesh"):
+The step is the guide's (``docs/guides/flax.md``, "On a data-parallel mesh"):
 ``optax_accum.flax.Optimizer`` around ``accumulate(adam, 8,
 axis_name="data")``, the gradient from ``optax_accum.flax.local_value_and_grad``
 (and, as the control, ``reduced``: from ``nnx.value_and_grad``), under

@@ -8,7 +8,7 @@ and the accelerator compilers on ``PYTHONPATH`` (``tests/_common.accel_env``)::
   python tests/_recipes_accel_worker.py [--plants clean,no_donation,optax_apply]
 
 The step is taken from the docs' own text (``tests/test_docs.python_blocks``:
-README.md, examples/README.md) or an example's module
+README.md, the guides under docs/guides/) or an example's module
 (``examples/scaling_shard_map.py``): the block runs, with its docs-test
 set-up, up to its first training call, and its step is lowered for params of
 a size where the ratios mean something. The docs' models are tiny, so the
@@ -252,7 +252,13 @@ def readme(plant, dtype, static=False):
     plant,
   )
   if static:
-    _run("README.md", "def static_step(", "opt_state = tx.init", plant, ns)
+    _run(
+      "docs/guides/getting_started.md",
+      "def static_step(",
+      "opt_state = tx.init",
+      plant,
+      ns,
+    )
   params = {"w": _sds(mesh, (LINEAR, LINEAR), dtype)}
   state = _placed(jax.eval_shape(ns["tx"].init, params), mesh)
   batch = _masked_batch(mesh, dtype, LINEAR, ROWS)
@@ -262,7 +268,7 @@ def readme(plant, dtype, static=False):
 
 def nnx_guide(plant, dtype, static=False):
   mesh = targets.mesh("h100", (1,), ("data",))
-  path = "examples/README.md"
+  path = "docs/guides/flax.md"
   ns = _run(
     path,
     "def train_step(model, optimizer, batch)",
@@ -286,7 +292,7 @@ def nnx_guide(plant, dtype, static=False):
 def linen_guide(plant, dtype):
   mesh = targets.mesh("h100", (1,), ("data",))
   ns = _run(
-    "examples/README.md",
+    "docs/guides/flax.md",
     "def train_step(state, batch)",
     "for batch in",
     plant,
@@ -313,7 +319,7 @@ def linen_guide(plant, dtype):
 def nnx_data_parallel(plant, dtype):
   mesh = targets.mesh("h100x8", (8,), ("data",), explicit=True)
   ns = _run(
-    "examples/README.md",
+    "docs/guides/flax.md",
     "def dp_step(",
     "with jax.set_mesh(mesh):\n  sharded",
     plant,
@@ -366,7 +372,7 @@ def _linear_dp(mesh, dtype):
 def jit_unreduced(plant, dtype):
   mesh = targets.mesh("h100x8", (8,), ("data",), explicit=True)
   ns = _run(
-    "examples/README.md",
+    "docs/guides/scaling_jit.md",
     "grads: each device's share, typed",
     "with jax.set_mesh(mesh):",
     plant,
@@ -396,7 +402,7 @@ def jit_unreduced(plant, dtype):
 def shard_map(plant, dtype):
   with _target_make_mesh("h100x8"):
     ns = _run(
-      "examples/README.md",
+      "docs/guides/scaling_shard_map.md",
       "def local_step(params, opt_state",
       "opt_state = init(params)",
       plant,

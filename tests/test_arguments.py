@@ -466,7 +466,7 @@ def test_noise_scale_decay_accepts_numpy_reals():
 
 
 # ---------------------------------------------------------------------------
-# Names from optax.MultiSteps (the migration table: examples/README.md).
+# Names from optax.MultiSteps (the migration table: docs/guides/multisteps.md).
 # ---------------------------------------------------------------------------
 
 

@@ -1,9 +1,15 @@
-"""The docs run: every README's Python blocks, the examples' --help, packaging.
+"""The docs run: every page's Python blocks, the examples' --help, packaging.
 
-README blocks. Every ```python block of every README below is executed. The
-blocks of one README run in order in one namespace, so a later block can use
-names an earlier one defined. Two markers, an HTML comment on the line just
-above a block's opening fence, change that:
+Page blocks. Every ```python block of every page of the site (`make docs`:
+the Markdown files that ``docs/conf.py``'s ``include_patterns`` name: the
+guides under docs/, the examples' index, the demo, the benchmark page) and of
+the README is executed. The blocks of one page run in order in one
+namespace, so a later block can use names an earlier one defined. A page's
+``{include}`` of another file (``:start-after:``/``:end-before:``) runs the
+included blocks in the page's namespace, where the page shows them: the
+getting-started page shows the README's quick start, then builds on it.
+Three markers, an HTML comment on the line just above a block's opening
+fence, change that:
 
 * ``<!-- docs-test: setup=NAME -->`` first runs ``SETUPS[NAME]`` (below) in
   the README's namespace: the model, data or step that the prose leaves to
@@ -37,16 +43,33 @@ import pytest
 import optax_accum
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-READMES = [
-  path
-  for path in (
-    ROOT / "README.md",
-    ROOT / "examples" / "README.md",
-    ROOT / "examples" / "lm" / "README.md",
-    ROOT / "benchmarks" / "README.md",
-  )
-  if path.exists()
-]
+GUIDES = ROOT / "docs" / "guides"
+
+
+def site_pages() -> list[pathlib.Path]:
+  """The Markdown pages `make docs` builds: ``docs/conf.py``'s
+  ``include_patterns`` (read, not imported: conf.py needs Sphinx)."""
+  conf = ast.parse((ROOT / "docs" / "conf.py").read_text())
+  (patterns,) = [
+    ast.literal_eval(node.value)
+    for node in conf.body
+    if isinstance(node, ast.Assign)
+    and [getattr(t, "id", None) for t in node.targets] == ["include_patterns"]
+  ]
+  pages = set()
+  for pattern in patterns:
+    pattern = (
+      pattern.replace("**", "**/*") if pattern.endswith("**") else pattern
+    )
+    pages |= {
+      path
+      for path in ROOT.glob(pattern)
+      if path.suffix == ".md" and "_build" not in path.parts
+    }
+  return sorted(pages)
+
+
+PAGES = [ROOT / "README.md", *site_pages()]
 MAX_SKIPPED = 2
 
 # The names a block uses but the prose leaves to the reader. `_docs_tmp` is a
@@ -156,23 +179,30 @@ _MARKER = re.compile(
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-  path: pathlib.Path
+  path: pathlib.Path  # the file that holds the block
   line: int  # 1-based line of the opening fence
   code: str
   setup: str | None
   skip: str | None
   expected_output: str | None
   accelerator: bool = False
+  page: pathlib.Path | None = None  # the page that shows it (an include)
 
   @property
   def id(self) -> str:
-    return f"{self.path.relative_to(ROOT)}:{self.line}"
+    where = f"{self.path.relative_to(ROOT)}:{self.line}"
+    if self.page in (None, self.path):
+      return where
+    return f"{self.page.relative_to(ROOT)}<{where}"
+
+  @property
+  def namespace(self) -> pathlib.Path:
+    return self.page or self.path
 
 
-def python_blocks(path: pathlib.Path) -> list[Block]:
-  """The ```python blocks of a Markdown file, with markers and outputs."""
-  lines = path.read_text().splitlines()
-  fences = []  # (info, first line index, code)
+def _fences(lines: list[str]) -> list[tuple[str, int, int, str]]:
+  """(info, first line index, last line index, body) of every fence."""
+  fences = []
   i = 0
   while i < len(lines):
     if lines[i].startswith("```"):
@@ -181,8 +211,43 @@ def python_blocks(path: pathlib.Path) -> list[Block]:
       fences.append((info, start, end, "\n".join(lines[start + 1 : end])))
       i = end
     i += 1
+  return fences
+
+
+def _included(path: pathlib.Path, target: str, body: str) -> list[Block]:
+  """The python blocks that ```{include} `target` on `path` shows."""
+  included = (path.parent / target).resolve()
+  option = dict(
+    re.fullmatch(r":([\w-]+):\s*(.*)", line.strip()).groups()
+    for line in body.splitlines()
+    if line.strip()
+  )
+  text = included.read_text()
+  first = 0
+  last = len(text)
+  if "start-after" in option:
+    first = text.index(option["start-after"]) + len(option["start-after"])
+  if "end-before" in option:
+    last = text.index(option["end-before"], first)
+  first_line = text[:first].count("\n") + 1
+  last_line = text[:last].count("\n") + 1
+  return [
+    dataclasses.replace(block, page=path)
+    for block in python_blocks(included)
+    if first_line <= block.line <= last_line
+  ]
+
+
+def python_blocks(path: pathlib.Path) -> list[Block]:
+  """The ```python blocks a Markdown page shows, with markers and outputs:
+  its own and those of the files it includes, in the page's order."""
+  lines = path.read_text().splitlines()
+  fences = _fences(lines)
   blocks = []
   for n, (info, start, end, code) in enumerate(fences):
+    if info.startswith("{include}"):
+      blocks += _included(path, info.removeprefix("{include}").strip(), code)
+      continue
     if info != "python":
       continue
     before = next(
@@ -208,18 +273,18 @@ def python_blocks(path: pathlib.Path) -> list[Block]:
   return blocks
 
 
-BLOCKS = [block for path in READMES for block in python_blocks(path)]
+BLOCKS = [block for path in PAGES for block in python_blocks(path)]
 
 
 class _Runner:
-  """Runs one README's blocks in order, in one namespace, once each."""
+  """Runs one page's blocks in order, in one namespace, once each."""
 
   def __init__(self, tmp: pathlib.Path):
     self.namespace = {"__name__": "__docs__", "_docs_tmp": tmp}
-    self.done: dict[int, tuple[BaseException | None, str]] = {}
+    self.done: dict[str, tuple[BaseException | None, str]] = {}
 
   def run(self, block: Block) -> tuple[BaseException | None, str]:
-    if block.line not in self.done:
+    if block.id not in self.done:
       stdout = io.StringIO()
       error = None
       try:
@@ -229,8 +294,8 @@ class _Runner:
           exec(compile(block.code, block.id, "exec"), self.namespace)
       except Exception as e:  # re-raised by the block's own test
         error = e
-      self.done[block.line] = (error, stdout.getvalue())
-    return self.done[block.line]
+      self.done[block.id] = (error, stdout.getvalue())
+    return self.done[block.id]
 
 
 _RUNNERS: dict[pathlib.Path, _Runner] = {}
@@ -256,41 +321,62 @@ def _run_on_its_own(block: Block, tmp_path: pathlib.Path) -> str:
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
-def test_readme_block_runs(block, runner, tmp_path):
+def test_page_block_runs(block, runner, tmp_path):
   if block.skip:
     pytest.skip(block.skip)
   if block.accelerator:
     stdout = _run_on_its_own(block, tmp_path)
   else:
-    readme = runner(block.path)
+    page = runner(block.namespace)
     # Earlier blocks first (when this test runs alone, e.g. with -k).
-    for earlier in python_blocks(block.path):
-      if earlier.line == block.line:
+    for earlier in python_blocks(block.namespace):
+      if earlier.id == block.id:
         break
       if not earlier.skip and not earlier.accelerator:
-        readme.run(earlier)
-    error, stdout = readme.run(block)
+        page.run(earlier)
+    error, stdout = page.run(block)
     if error is not None:
       raise error
   if block.expected_output is not None:
     assert stdout.rstrip() == block.expected_output.rstrip()
 
 
+# The python blocks on the pages when the guides moved into docs/ (issue 39:
+# README.md, examples/README.md and examples/lm/README.md held 31); the site
+# shows the README's quick start again, on the getting-started page.
+BLOCKS_BEFORE_THE_SITE = 31
+
+
 def test_blocks_are_found_and_markers_are_known():
-  assert {b.path.name for b in BLOCKS} >= {"README.md"}
-  assert len(BLOCKS) >= 10
+  assert ROOT / "README.md" in PAGES
+  assert GUIDES / "getting_started.md" in PAGES
+  assert ROOT / "benchmarks" / "README.md" in PAGES
+  own = [b for b in BLOCKS if b.page is None]
+  assert len(own) >= BLOCKS_BEFORE_THE_SITE, len(own)
+  assert any(b.page is not None for b in BLOCKS)  # the quick start, included
   used = {b.setup for b in BLOCKS if b.setup}
   assert used <= set(SETUPS), used - set(SETUPS)
   assert set(SETUPS) <= used, f"unused setups: {set(SETUPS) - used}"
-  for path in READMES:
+  for path in PAGES:
     text = path.read_text()
     # Every marker sits right above a python block (no stray, ignored ones).
     markers = re.findall(r"^<!-- docs-test:", text, flags=re.M)
     assert len(markers) == sum(
-      1 for b in python_blocks(path) if b.setup or b.skip or b.accelerator
+      1
+      for b in python_blocks(path)
+      if b.page is None and (b.setup or b.skip or b.accelerator)
     ), path
     for block in python_blocks(path):
       ast.parse(block.code)  # skipped blocks must at least be Python
+
+
+def test_every_guide_is_a_page_of_the_site():
+  """A Markdown file under docs/ that the build skipped would be neither
+  rendered nor run here."""
+  on_disk = {
+    p for p in (ROOT / "docs").rglob("*.md") if "_build" not in p.parts
+  }
+  assert on_disk <= set(PAGES), on_disk - set(PAGES)
 
 
 def test_few_blocks_are_skipped():
@@ -307,7 +393,7 @@ def test_lr_schedule_output_in_the_guide_is_the_scripts():
   stdout = io.StringIO()
   with contextlib.redirect_stdout(stdout):
     module.main()
-  guide = (ROOT / "examples" / "README.md").read_text()
+  guide = (GUIDES / "schedules.md").read_text()
   for line in stdout.getvalue().splitlines():
     assert line.rstrip() in guide, line
 

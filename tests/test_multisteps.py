@@ -1,6 +1,6 @@
 """The way in from `optax.MultiSteps`: the migration table's claims.
 
-The table in examples/README.md ("Coming from optax.MultiSteps") maps every
+The table in docs/guides/multisteps.md ("Coming from optax.MultiSteps") maps every
 name of MultiSteps; these tests hold it to optax's own list of names, and run
 both transformations side by side, field by field, with and without jit.
 The errors for MultiSteps names are in tests/test_arguments.py.
@@ -18,13 +18,19 @@ import pytest
 
 import optax_accum
 
-GUIDE = pathlib.Path(__file__).resolve().parent.parent / "examples/README.md"
+GUIDE = (
+  pathlib.Path(__file__).resolve().parent.parent
+  / "docs"
+  / "guides"
+  / "multisteps.md"
+)
 
 
 def _table_first_column() -> list[str]:
   text = GUIDE.read_text()
-  section = text[text.index("## Coming from `optax.MultiSteps`") :]
-  section = section[: section.index("\n## ")]
+  # The page is the section (with its checkpoint subsection) it was in
+  # examples/README.md.
+  section = text[text.index("# Coming from `optax.MultiSteps`") :]
   rows = [line for line in section.splitlines() if line.startswith("| ")]
   return [row.split("|")[1] for row in rows[1:]]  # below the header
 
@@ -47,7 +53,7 @@ def test_the_table_maps_every_multisteps_name():
 
 def test_the_installed_guide_maps_every_state_field_and_argument():
   """``help(optax_accum.multisteps)``, where the errors point: the wheel
-  ships no examples/README.md."""
+  ships no docs/guides/multisteps.md."""
   from optax_accum import multisteps
 
   doc = multisteps.__doc__

@@ -1,4 +1,4 @@
-"""``pmap`` data parallelism: the recipe of examples/README.md ("Data
+"""``pmap`` data parallelism: the recipe of docs/guides/scaling_pmap.md ("Data
 parallel with pmap"). The state is initialised outside and replicated; each
 device passes its own gradient and ``axis_name`` defers the reduction to
 the cycle's end. The run equals the big batch, and ``has_updated`` answers

@@ -47,7 +47,7 @@ CLEAN = [(r, d) for r in SINGLE for d in ("f32", "bf16")] + [
 # returns its loss flips the tie: a step returning it over a params pytree
 # (README style) misses too, one returning nothing does not. The static
 # step (`emit=`, no conditional) holds one gradient whatever it returns.
-# Documented in examples/README.md, "On GPUs and TPUs".
+# Documented in docs/guides/scaling_accelerators.md, "On GPUs and TPUs".
 MEMORY_MISSES = {("nnx_guide", "bf16")}
 
 

@@ -73,11 +73,11 @@ def shard_map_specs(
 
   Args:
     opt_state: The optimizer state (or its ``jax.eval_shape``): an
-      :class:`AccumulateState` or any tree holding them, e.g. an
+      :class:`~optax_accum.AccumulateState` or any tree holding them, e.g. an
       ``optax.chain`` state. Only its structure (and with `params`, its
       shapes: take it from the global params) is read.
     axis_name: The mesh axis the device-local leaves are spread over, the
-      ``axis_name`` given to :func:`accumulate`.
+      ``axis_name`` given to :func:`~optax_accum.accumulate`.
     params: Optional. The global params as arrays or
       ``jax.ShapeDtypeStruct``\\s with ``NamedSharding``\\s, those whose
       specs are the params' ``in_specs``. Default: params replicated.

@@ -121,8 +121,7 @@ def local_value_and_grad(
 
   Raises:
     RuntimeError, ValueError: When called, if JAX lacks unreduced shardings
-      or the axis is missing or not explicit (see
-      :func:`check_explicit_axis`).
+      or the axis is missing or not explicit (the error says which).
   """
   if not callable(fun):
     raise TypeError(f"`fun` must be callable, got {fun!r}.")

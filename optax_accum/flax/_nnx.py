@@ -74,6 +74,6 @@ class Optimizer(nnx.Optimizer):
 
   @property
   def optimizer_step(self) -> jnp.ndarray:
-    """Updates applied so far: the ``AccumulateState``'s ``step``."""
+    """The number of updates applied so far (the state's ``step``)."""
     state = _state.find_state(self.opt_state, "optimizer_step")
     return jnp.asarray(state.step)

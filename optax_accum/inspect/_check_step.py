@@ -212,7 +212,7 @@ def check_step(
     A :class:`StepReport`; ``print`` it, or use :func:`assert_step`.
 
   Raises:
-    ValueError: If `args` hold no or several ``AccumulateState``s, `target`
+    ValueError: If `args` hold no or several ``AccumulateState``\\s, `target`
       is unknown, or `axis_name` is not an axis of the mesh.
     TypeError: If `axis_name` is not a name or a tuple of names.
 

@@ -127,7 +127,7 @@ def collectives(step: Any, *args: Any, **kwargs: Any) -> list[Collective]:
       `jax.stages.Lowered` or `jax.stages.Compiled` (or ``nnx.jit``'s, then
       give no arguments); or the text of a compiled HLO module.
     *args: arguments to lower a function with (arrays or
-      ``jax.ShapeDtypeStruct``s carrying their shardings).
+      ``jax.ShapeDtypeStruct``\\s carrying their shardings).
     **kwargs: keyword arguments to lower a function with.
 
   Returns:

@@ -63,6 +63,8 @@ _V5E = dict(
   memory_bytes=int(15.75 * 2**30), peak_flops=197e12, memory_bandwidth=819e9
 )
 
+#: Every target, keyed by its name (``"h100"``, ``"h100x8"``, ``"v5e_2x2"``,
+#: ``"v5e_2x4"``).
 TARGETS = {
   t.name: t
   for t in (
