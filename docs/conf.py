@@ -114,17 +114,8 @@ nitpick_ignore_regex = [
     r"ImportError)",
   ),
 ]
-# Docstrings of the core modules, frozen while the core is redesigned (issue
-# 38); each entry goes with its fix, for the lead:
+# Private classes in public signatures; each entry goes with its fix:
 nitpick_ignore = [
-  # _state.py, AccumulateState: `:class:`NoiseScaleState`` and
-  # `:class:`GrowState`` from the top level: write
-  # `:class:`~optax_accum.types.NoiseScaleState`` (and GrowState).
-  ("py:class", "NoiseScaleState"),
-  ("py:class", "GrowState"),
-  # _state.py, GrowState: `:attr:`NoiseScaleState.cycles``: a field named in
-  # an `Attributes:` section has no entry of its own; write ``cycles``.
-  ("py:attr", "NoiseScaleState.cycles"),
   # _every_k.py: grow_every_k, piecewise_every_k and inner_for_every_k are
   # annotated with private classes; annotate with the public protocol (a
   # callable `every_k(step, weight_seen)`) or make the classes public.

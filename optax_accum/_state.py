@@ -43,7 +43,7 @@ class GrowState(NamedTuple):
 
   Attributes:
     changed_at: ``int32[]``. The noise-scale cycle count
-      (:attr:`NoiseScaleState.cycles`) when k last changed; the controller
+      (``cycles`` of :class:`~optax_accum.types.NoiseScaleState`) when k last changed; the controller
       waits for ``min_cycles`` more before it decides again.
     micro_batches: ``float32[]``. Micro-batches in the cycles that ended
       with an update, since the start: with the weight of those cycles
@@ -109,9 +109,9 @@ class AccumulateState(NamedTuple):
       over the whole run.
     emitted: ``bool[]``. Whether the most recent ``update`` emitted a real
       update (read it with :func:`has_updated`).
-    noise: A :class:`NoiseScaleState` with ``track_noise_scale=True``,
+    noise: A :class:`~optax_accum.types.NoiseScaleState` with ``track_noise_scale=True``,
       else ``optax.EmptyState()``.
-    grow: A :class:`GrowState` with ``every_k=grow_every_k(...)``, else
+    grow: A :class:`~optax_accum.types.GrowState` with ``every_k=grow_every_k(...)``, else
       ``optax.EmptyState()``.
   """
 
