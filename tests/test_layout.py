@@ -189,3 +189,22 @@ def test_targets_print_the_compiler_requirements():
     check=True,
   ).stdout.split()
   assert out and all("==" in r or "@" in r or ">=" in r for r in out), out
+
+
+def test_the_file_map_names_every_module():
+  """optax_accum/README.md (the file map and the glossary) stays true: it
+  names every private module of the package (by file or by stem), and no
+  module that is gone."""
+  text = (PACKAGE / "README.md").read_text()
+  modules = [p for p in PACKAGE.rglob("_*.py") if not p.name.startswith("__")]
+  missing = [
+    str(p.relative_to(PACKAGE))
+    for p in modules
+    if f"`{p.name}`" not in text and f"`{p.stem}`" not in text
+  ]
+  stems = {p.stem for p in modules}
+  gone = [
+    name for name in re.findall(r"`(_[a-z_]+)\.py`", text) if name not in stems
+  ]
+  assert not missing and not gone, (missing, gone)
+  assert "## Glossary" in text
