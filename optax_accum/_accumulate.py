@@ -582,7 +582,14 @@ def _jitted_update(config: Config) -> Callable[..., Any]:
 # -- 2. The add. -------------------------------------------------------------
 
 
-def _add(config, engine, state, grads, call, params) -> tuple[Cycle, Any]:
+def _add(
+  config: Config,
+  engine: Local,
+  state: AccumulateState,
+  grads: Any,
+  call: _checks.Call,
+  params: Any,
+) -> tuple[Cycle, jax.Array]:
   """The cycle with this micro-batch added, and whether it was accepted
   (not dropped by `skip_nonfinite`), agreed over the devices."""
   weighted = call.weight is not None
@@ -632,7 +639,15 @@ def _add(config, engine, state, grads, call, params) -> tuple[Cycle, Any]:
   return cycle, accepted
 
 
-def _add_noise(config, engine, state, grads, weight, accepted, call) -> Any:
+def _add_noise(
+  config: Config,
+  engine: Local,
+  state: AccumulateState,
+  grads: Any,
+  weight: jax.Array,
+  accepted: jax.Array,
+  call: _checks.Call,
+) -> Any:
   """The noise-scale sums with this micro-batch: measured here, or by the
   gradient helper (`noise_stats`, Unreduced). Untracked: as they were."""
   if not isinstance(state.noise, NoiseScaleState):
@@ -653,7 +668,13 @@ def _add_noise(config, engine, state, grads, weight, accepted, call) -> Any:
   )
 
 
-def _inner_types(engine, tx, extra_args, grads, cycle: Cycle) -> Inner:
+def _inner_types(
+  engine: Local,
+  tx: optax.GradientTransformationExtraArgs,
+  extra_args: dict,
+  grads: Any,
+  cycle: Cycle,
+) -> Inner:
   """The inner optimizer of this trace, and the types it takes and
   returns."""
   params = cycle.params
@@ -683,7 +704,9 @@ def _inner_types(engine, tx, extra_args, grads, cycle: Cycle) -> Inner:
 # -- 3. The ends. ------------------------------------------------------------
 
 
-def _decide_on_device(config, engine, inner: Inner, cycle: Cycle) -> Result:
+def _decide_on_device(
+  config: Config, engine: Local, inner: Inner, cycle: Cycle
+) -> Result:
   """The default (``emit=None``): one conditional decides on the device
   whether this call ends the cycle.
 
@@ -776,7 +799,9 @@ def _decide_on_device(config, engine, inner: Inner, cycle: Cycle) -> Result:
   )
 
 
-def _end_cycle_now(config, engine, inner: Inner, cycle: Cycle) -> Result:
+def _end_cycle_now(
+  config: Config, engine: Local, inner: Inner, cycle: Cycle
+) -> Result:
   """``emit=True``: the caller says this call ends the cycle. No
   conditional (see :func:`_run_inner_on_mean`); the accumulator is left at
   zeros."""
@@ -918,7 +943,15 @@ def _run_inner_on_mean(
   return Ran(updates, inner_state, updated, weight, noise, total, params)
 
 
-def _reduce(config, engine, inner, acc, weight, noise, per_leaf: bool):
+def _reduce(
+  config: Config,
+  engine: Local,
+  inner: Inner,
+  acc: Any,
+  weight: jax.Array,
+  noise: Any,
+  per_leaf: bool,
+) -> tuple[Any, jax.Array, Any]:
   """The cycle's sums over the devices, in `reduce_dtype` on the wire."""
   tracked = isinstance(noise, NoiseScaleState)
   scalars = (weight,)
@@ -1097,7 +1130,13 @@ def _run_if_weighted(updated, run, skip, run_then_select, *operands):
 # -- 4. The next state. ------------------------------------------------------
 
 
-def _next_state(config, state, accepted, cycle: Cycle, result: Result):
+def _next_state(
+  config: Config,
+  state: AccumulateState,
+  accepted: jax.Array,
+  cycle: Cycle,
+  result: Result,
+) -> AccumulateState:
   """The state after a call: counters, and the weight seen, k and the
   controller's state, which change only when the call ended a cycle."""
   updated, ends = result.updated, result.cycle_ends
