@@ -508,12 +508,14 @@ def _update(
   else:
     engine = _engine_for_update(config.axis_name, updates, state.acc_grads)
   call = _checks.update_call(
-    config,
-    engine,
     weight=weight,
     flush=flush,
     emit=emit,
     noise_stats=noise_stats,
+    skip_nonfinite=config.skip_nonfinite,
+    track_noise_scale=config.track_noise_scale,
+    axis_name=config.axis_name,
+    measures_noise=engine.measures_noise,
   )
   inner = config.inner(state.every_k)
   if _is_inner_alone(config, call):

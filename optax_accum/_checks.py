@@ -9,7 +9,7 @@ is traced, and its weights where they are concrete.
 import functools
 import operator
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any, NamedTuple, ParamSpec, TypeVar
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +19,6 @@ from jax.sharding import PartitionSpec as P
 
 from optax_accum._noise_scale import NoiseStats
 from optax_accum._state import AccumulateState, NoiseScaleState
-
-if TYPE_CHECKING:
-  from optax_accum._accumulate import Config, Local
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -229,25 +226,31 @@ class Call(NamedTuple):
 
 
 def update_call(
-  config: "Config",
-  engine: "Local",
   *,
   weight: Any,
   flush: Any,
   emit: Any,
   noise_stats: Any,
+  skip_nonfinite: bool,
+  track_noise_scale: bool,
+  axis_name: Hashable | None,
+  measures_noise: bool,
 ) -> Call:
-  """Checks an ``update``'s options; `config` is ``accumulate``'s.
+  """Checks an ``update``'s options, given ``accumulate``'s
+  `skip_nonfinite`, `track_noise_scale` and `axis_name`, and whether the
+  engine measures each gradient's norm itself (`measures_noise`).
 
   Called before any ``jit`` of the update, so that concrete values are
   seen.
   """
   return Call(
-    weight=None if weight is None else _weight(weight, config.skip_nonfinite),
+    weight=None if weight is None else _weight(weight, skip_nonfinite),
     flush=_flush(flush),
     may_flush=flush is not False,
     emit=_emit(emit, flush),
-    noise_stats=_noise_stats(config, engine, noise_stats),
+    noise_stats=_noise_stats(
+      noise_stats, track_noise_scale, axis_name, measures_noise
+    ),
   )
 
 
@@ -488,13 +491,18 @@ def _emit(emit: Any, flush: Any) -> bool | None:
   return bool(emit)
 
 
-def _noise_stats(config: "Config", engine: "Local", noise_stats: Any) -> Any:
+def _noise_stats(
+  noise_stats: Any,
+  track_noise_scale: bool,
+  axis_name: Hashable | None,
+  measures_noise: bool,
+) -> Any:
   """`noise_stats` where the engine needs them; raises naming them."""
   if noise_stats is None:
-    if config.track_noise_scale and not engine.measures_noise:
+    if track_noise_scale and not measures_noise:
       raise ValueError(
         "`noise_stats` must be given with `track_noise_scale=True` and"
-        f" gradients unreduced over {config.axis_name!r} under plain"
+        f" gradients unreduced over {axis_name!r} under plain"
         " `jax.jit`: the unreduced gradient hides each device's own"
         " gradient and token count. Make the gradients with"
         " `optax_accum.distributed.local_value_and_grad(...,"
@@ -502,13 +510,13 @@ def _noise_stats(config: "Config", engine: "Local", noise_stats: Any) -> Any:
         " noise_stats=stats)`."
       )
     return None
-  if not config.track_noise_scale:
+  if not track_noise_scale:
     raise ValueError(
       "`noise_stats` was given, but this accumulate was built with"
       " `track_noise_scale=False`: build it with `track_noise_scale=True`"
       " or leave the argument out."
     )
-  if engine.measures_noise:
+  if measures_noise:
     raise ValueError(
       "`noise_stats` is only for gradients unreduced over `axis_name` under"
       " plain `jax.jit`; here accumulate measures each gradient itself:"
