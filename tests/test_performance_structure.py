@@ -266,7 +266,7 @@ def test_extra_memory_with_xla_memory_scheduler():
     f"{o}-{d}-k{k}": EXTRA_MEMORY_MARGIN for o, d, k in SCHEDULER_BOUND
   }
   # The select that returns the accumulator to zeros at a cycle's end (one
-  # meaning of the state, optax_accum/_backend.py) is placed by this
+  # meaning of the state, `_close` in optax_accum/_accumulate.py) is placed by this
   # scheduler before a read of the updates it overwrites, for one leaf:
   # 1.096x measured (1.0001x in 0.1, which left the updates in the buffer).
   margins["clip_adamw-bf16-k4"] = 1.10
