@@ -37,7 +37,10 @@ lint: $(STAMP)
 
 # Two workers: the CI machine has 2 cores and the suite is mostly
 # single-threaded compiles. loadscope keeps a module's tests (and its
-# module-scoped fixtures, e.g. the multi-process run) on one worker.
+# module-scoped fixtures, e.g. the multi-process run) on one worker; the
+# longest modules go out first (tests/conftest.py). Each worker compiles
+# for the H100 and the TPU in one compile server of its own
+# (tests/_accel_server.py), whatever modules it gets.
 PYTEST_WORKERS ?= 2
 
 # Then the core on the oldest supported stack (test-oldest, below): 30-45 s

@@ -182,7 +182,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     "--smoke",
     action="store_true",
     help="tiny sizes and few rounds (runs on a CPU in about a minute);"
-    " overrides the sizes, rounds, LM models and budget",
+    " overrides the sizes, rounds and LM models, and the budget unless"
+    " --budget-s is given",
   )
   add(
     "--render",
@@ -202,10 +203,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   add(
     "--budget-s",
     type=float,
-    default=330.0,
+    default=None,
     help="seconds this script may take; a configuration whose estimated"
     " cost no longer fits (leaving the later sections their share) is"
-    " skipped and recorded",
+    " skipped and recorded (default: 330, 240 with --smoke)",
   )
   add(
     "--sizes-mb",
@@ -269,12 +270,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   args = parser.parse_args(argv)
   if args.k < 2:
     parser.error(f"--k must be >= 2 (a micro-step and an emit), got {args.k}")
+  if args.budget_s is None:
+    args.budget_s = 240.0 if args.smoke else 330.0
   if args.smoke:
     args.sizes_mb, args.clip_sizes_mb = [0.0625, 0.25], [0.0625]
     args.k, args.micro_batch, args.rounds, args.cycles = 4, 4, 3, 1
     args.seconds_per_config = 0.5
     args.lm_models, args.lm_rounds, args.lm_steps = ["tiny"], 2, 1
-    args.budget_s = min(args.budget_s, 240.0)
   return args
 
 

@@ -1,11 +1,15 @@
 """Small trees and transformations shared by the test modules."""
 
+import atexit
+import fcntl
 import functools
 import json
 import os
 import pathlib
+import select
 import subprocess
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -97,22 +101,74 @@ def compiled_peak(step, args) -> int:
   )
 
 
+class _Server:
+  """``tests/_accel_server.py``, started on first use: one process per
+  test process that runs every compile worker with the compilers loaded
+  once (see there)."""
+
+  def __init__(self):
+    self.process = None
+    self.answers = None
+
+  def start(self):
+    read, write = os.pipe()
+    self.log = tempfile.TemporaryFile()  # what XLA writes: failures show it
+    self.process = subprocess.Popen(
+      [sys.executable, REPO / "tests" / "_accel_server.py", str(write)],
+      stdin=subprocess.PIPE,
+      stdout=subprocess.DEVNULL,
+      stderr=self.log,
+      env=accel_env(),
+      pass_fds=(write,),
+      text=True,
+    )
+    os.close(write)
+    self.answers = os.fdopen(read)
+
+  def stop(self):
+    if self.process is not None:
+      self.process.stdin.close()  # it ends at the end of its input
+      try:
+        self.process.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        self.process.kill()
+        self.process.wait()
+      self.answers.close()
+      self.process = None
+
+  def log_tail(self) -> str:
+    self.log.seek(0)
+    return self.log.read()[-4000:].decode(errors="replace")
+
+  def run(self, argv: list, timeout: int) -> dict:
+    if self.process is None or self.process.poll() is not None:
+      self.start()
+    self.process.stdin.write(json.dumps({"argv": list(map(str, argv))}) + "\n")
+    self.process.stdin.flush()
+    ready, _, _ = select.select([self.answers], [], [], timeout)
+    line = ready and self.answers.readline()
+    if not line:  # timed out or died: the next run starts afresh
+      tail = self.log_tail()
+      self.stop()
+      return {"returncode": -1, "stdout": "", "stderr": tail}
+    return json.loads(line)
+
+
+_SERVER = _Server()
+atexit.register(_SERVER.stop)
+
+
 def run_with_compilers(
   argv: list, *, timeout: int = 900, what: str = ""
 ) -> str:
   """Runs ``python *argv`` with the accelerator compilers
-  (:func:`accel_env`), asserting that it succeeds; its stdout. `what`
-  prefixes the failure message."""
-  result = subprocess.run(
-    [sys.executable, *map(str, argv)],
-    capture_output=True,
-    text=True,
-    env=accel_env(),
-    timeout=timeout,
-    check=False,
-  )
-  assert result.returncode == 0, f"{what}{result.stderr[-4000:]}"
-  return result.stdout
+  (:func:`accel_env`), in this test process's compile server
+  (``tests/_accel_server.py``), asserting that it succeeds; its stdout.
+  `what` prefixes the failure message."""
+  accel_env()  # fails the test at once when the compilers are missing
+  result = _SERVER.run(argv, timeout)
+  assert result["returncode"] == 0, f"{what}{result['stderr'][-4000:]}"
+  return result["stdout"]
 
 
 def last_json_line(stdout: str):
@@ -120,10 +176,25 @@ def last_json_line(stdout: str):
   return json.loads(stdout.strip().splitlines()[-1])
 
 
+def run_folder(tmp_path_factory) -> pathlib.Path:
+  """A temporary folder for the whole test run: under pytest-xdist, the one
+  its workers share (their base folders' parent, fresh for each run)."""
+  base = tmp_path_factory.getbasetemp()
+  return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @functools.cache
-def recipes_on_accelerators() -> dict:
+def recipes_on_accelerators(shared: pathlib.Path) -> dict:
   """Every documented recipe compiled for one H100 and 8 H100s, clean and
-  planted (``tests/_recipes_accel_worker.py``), in one subprocess per test
-  run: ``{"plant/recipe/dtype": facts}``."""
-  worker = REPO / "tests" / "_recipes_accel_worker.py"
-  return last_json_line(run_with_compilers([worker]))
+  planted (``tests/_recipes_accel_worker.py``), once per test run:
+  ``{"plant/recipe/dtype": facts}``. tests/test_recipes.py and
+  tests/test_check_step.py both read it; under pytest-xdist they may sit
+  on two workers, which share `shared` (:func:`run_folder`): the first
+  computes it, the other waits for it there."""
+  path = shared / "recipes_on_accelerators.json"
+  with open(path.with_suffix(".lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not path.exists():
+      worker = REPO / "tests" / "_recipes_accel_worker.py"
+      path.write_text(run_with_compilers([worker]).strip().splitlines()[-1])
+  return json.loads(path.read_text())

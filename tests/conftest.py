@@ -78,8 +78,27 @@ for _name in (
   NEEDS_NEWEST_JAX[_name] = "the examples and benchmarks " + _NEWEST_ONLY
 
 
+# The longest modules first (a run's `--durations`, summed per module):
+# `make test`'s workers take modules in collection order (`--dist
+# loadscope`), and one started last would run alone at the end while the
+# other core idles.
+LONGEST_FIRST = (
+  "test_accelerators.py",
+  "test_plan.py",
+  "test_recipes.py",
+  "test_bench_gpu.py",
+  "test_benchmarks_smoke.py",
+  "test_adaptive_eval.py",
+  "test_lm_demo.py",
+  "test_docs.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
   del config
+  # A stable sort: each module's tests keep their order.
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
   from optax_accum import _unreduced
 
   if _unreduced.is_supported():

@@ -42,9 +42,17 @@ def bench_gpu():
   return bench_gpu
 
 
+# The smoke run's step configurations: both inners in both dtypes at the
+# smallest size. `--smoke`'s second adam size (0.25 MB) runs the same code
+# at another shape; the fakes below hold the selection and the budget on
+# all six (a third of the run's compiles saved).
+SMOKE_ONLY = "*:*:0.0625"
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-  """`JAX_PLATFORMS=cpu benchmarks/gpu.sh OUT --smoke`, once."""
+  """`JAX_PLATFORMS=cpu benchmarks/gpu.sh OUT --smoke --only SMOKE_ONLY`,
+  once."""
   out = tmp_path_factory.mktemp("gpu")
   env = dict(os.environ)
   env.update(
@@ -52,13 +60,18 @@ def smoke(tmp_path_factory):
     PYTHON=sys.executable,
     # The least LLVM optimisation: compiling is most of a tiny run's time.
     XLA_FLAGS="--xla_backend_optimization_level=0",
+    GPU_SH_TIMEOUT="1500",  # the hard stop, against a hang only
   )
   result = subprocess.run(
-    ["bash", str(BENCHMARKS / "gpu.sh"), str(out), "--smoke"],
+    ["bash", str(BENCHMARKS / "gpu.sh"), str(out), "--smoke"]
+    # No budget to skip by: on a busy machine the seconds run out, and what
+    # is held here is that every section ran (the budget's own test is
+    # test_a_tight_budget_skips_and_says_so).
+    + ["--only", SMOKE_ONLY, "--budget-s", "1e9"],
     capture_output=True,
     text=True,
     env=env,
-    timeout=600,
+    timeout=1600,
     check=False,
   )
   assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
@@ -97,7 +110,7 @@ def test_json_records_the_machine_and_a_complete_run(smoke):
     assert machine[field], field
   assert payload["complete"] is True
   assert payload["errors"] == [] and payload["skipped"] == []
-  assert payload["estimate"]["compiles"] == 6 * 8
+  assert payload["estimate"]["compiles"] == 4 * 8
   assert payload["estimate"]["total_s"] > 0
 
 
@@ -109,8 +122,6 @@ def test_every_configuration_has_every_variant_and_ratio(smoke, bench_gpu):
   assert configs == [
     ("adam", "float32", 0.0625),
     ("adam", "bfloat16", 0.0625),
-    ("adam", "float32", 0.25),
-    ("adam", "bfloat16", 0.25),
     ("clip_adamw", "float32", 0.0625),
     ("clip_adamw", "bfloat16", 0.0625),
   ]
@@ -171,7 +182,7 @@ def test_render_from_the_json_alone_gives_the_same_page(smoke, tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   page = (tmp_path / "bench_gpu.md").read_text()
   assert page == (out / "bench_gpu.md").read_text()
-  assert "| adam, bfloat16, 0.25 MB |" in page
+  assert "| adam, bfloat16, 0.0625 MB |" in page
   assert "## LM demo: tokens/s" in page
   assert (tmp_path / "bench_gpu.png").stat().st_size > 0
 
@@ -480,7 +491,7 @@ def test_render_merges_runs(smoke, bench_gpu, tmp_path):
   """A second, short run fills the first run's gaps: its configurations
   replace the failed ones in place, the rest stay, and each run is named."""
   first = json.loads((smoke[0] / "bench_gpu.json").read_text())
-  fixed = first["step"][3]  # adam bfloat16 0.25
+  fixed = first["step"][1]  # adam bfloat16 0.0625
   second = {
     **first,
     "step": [fixed],
@@ -490,9 +501,9 @@ def test_render_merges_runs(smoke, bench_gpu, tmp_path):
     "machine": {**first["machine"], "jax": "9.9.9"},
     "elapsed_s": 12.0,
   }
-  first["step"][3] = {k: fixed[k] for k in ("optimizer", "dtype", "size_mb")}
-  first["step"][3]["error"] = "RESOURCE_EXHAUSTED (planted)"
-  where = "step adam bfloat16 0.25 MB"
+  first["step"][1] = {k: fixed[k] for k in ("optimizer", "dtype", "size_mb")}
+  first["step"][1]["error"] = "RESOURCE_EXHAUSTED (planted)"
+  where = "step adam bfloat16 0.0625 MB"
   first["errors"] = [{"where": where, "error": "RESOURCE_EXHAUSTED"}]
   paths = [tmp_path / "a.json", tmp_path / "b.json"]
   for path, payload in zip(paths, (first, second), strict=True):
@@ -501,11 +512,9 @@ def test_render_merges_runs(smoke, bench_gpu, tmp_path):
   assert bench_gpu.main(argv) == 0
   page = (tmp_path / "page" / "bench_gpu.md").read_text()
   rows = re.findall(r"^\| (adam|clip_adamw), (\w+), ([\d.]+) MB \|", page, re.M)
-  assert rows[:6] == [
+  assert rows[:4] == [
     ("adam", "float32", "0.0625"),
     ("adam", "bfloat16", "0.0625"),
-    ("adam", "float32", "0.25"),
-    ("adam", "bfloat16", "0.25"),
     ("clip_adamw", "float32", "0.0625"),
     ("clip_adamw", "bfloat16", "0.0625"),
   ]

@@ -226,10 +226,10 @@ def test_an_unknown_target_names_the_argument():
 
 
 @pytest.fixture(scope="module")
-def on_targets():
+def on_targets(tmp_path_factory):
   import _common
 
-  return _common.recipes_on_accelerators()
+  return _common.recipes_on_accelerators(_common.run_folder(tmp_path_factory))
 
 
 def test_target_passes_every_recipe(on_targets):

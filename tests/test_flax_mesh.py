@@ -139,7 +139,9 @@ def test_drop_in_on_a_data_parallel_mesh_is_the_big_batch(n):
   chex.assert_trees_all_close(ours, reference, rtol=1e-5, atol=1e-5)
 
 
+@functools.cache
 def _compiled(kind, n):
+  """The compiled micro-step; once per module (two tests read the same)."""
   model, optimizer, step = _build(kind, n)
   with jax.set_mesh(_mesh(n)):
     lowered = step.lower(model, optimizer, *_sharded(n, _micro_batches(n)[0]))

@@ -9,6 +9,7 @@ and bad checkpoints fail with a clear error.
 import dataclasses
 import importlib
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -287,6 +288,9 @@ def test_wire_dtype_bfloat16_changes_the_run_a_little(tmp_path):
     capture_output=True,
     text=True,
     cwd=LM,
+    # The least LLVM optimisation: compiling is most of a tiny run's time
+    # (as tests/test_benchmarks_smoke.py runs the benchmarks).
+    env={**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0"},
     timeout=600,
     check=False,
   )

@@ -52,8 +52,8 @@ MEMORY_MISSES = {("nnx_guide", "bf16")}
 
 
 @pytest.fixture(scope="module")
-def recipes():
-  return _common.recipes_on_accelerators()
+def recipes(tmp_path_factory):
+  return _common.recipes_on_accelerators(_common.run_folder(tmp_path_factory))
 
 
 def misses(facts: dict, clean: dict) -> list[str]:
