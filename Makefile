@@ -99,8 +99,11 @@ test-oldest: $(OLD_STAMP)
 # --- Python 3.11's leg (issue 42) ---------------------------------------------
 # When the main venv runs a newer Python: the same core on the newest jax
 # Python 3.11 gets (jax 0.10.2, constraints/py311.txt), in a venv of its
-# own, imported from this checkout as test-oldest does. TIME s to run,
-# measured on 2 cores shared with another test run.
+# own, imported from this checkout as test-oldest does. 210 tests; measured
+# cold (its first run: an empty .venv-py311/jax-cache) on 2 cores under a
+# load of 12-14 (four test runs at once): 234 s to install (pip's cache
+# cold), 989 s to run. The same tests as test-oldest, whose 100-105 s on
+# 2 cores shared with one other run is the figure to expect here.
 PY311_VENV := .venv-py311
 PY311_PY := $(PY311_VENV)/bin/python
 PY311_STAMP := $(PY311_VENV)/.installed
