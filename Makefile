@@ -103,7 +103,8 @@ test-oldest: $(OLD_STAMP)
 # cold (its first run: an empty .venv-py311/jax-cache) on 2 cores under a
 # load of 12-14 (four test runs at once): 234 s to install (pip's cache
 # cold), 989 s to run. The same tests as test-oldest, whose 100-105 s on
-# 2 cores shared with one other run is the figure to expect here.
+# 2 cores shared with one other run is what to expect here (not measured
+# quiet).
 PY311_VENV := .venv-py311
 PY311_PY := $(PY311_VENV)/bin/python
 PY311_STAMP := $(PY311_VENV)/.installed
