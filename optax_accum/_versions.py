@@ -27,8 +27,10 @@ unreduced, ``distributed.local_value_and_grad``, HSDP under plain ``jit``)
 needs jax 0.10.2, the first with an unreduced rule for ``select_n`` (the
 accumulator's ``jnp.where``; 0.10.1 raises ``NotImplementedError``; before
 0.8.2 there is no ``jax.reshard`` either). The whole suite, that feature and
-the compiled-program checks included, runs on jax/jaxlib 0.10.2 and optax
-0.2.8 (``make test``).
+the compiled-program checks included, runs on the newest jax for the newest
+Python on the machine (jax/jaxlib 0.12.0.1 on Python 3.13; jax 0.11 and
+later need Python 3.12), and the core on jax 0.10.2 on Python 3.11 (``make
+test``).
 
 Older releases fail later and obscurely (on jax 0.4.28, ``cannot import name
 'AxisType' from 'jax.sharding'``). The package imports this module first,

@@ -24,6 +24,8 @@ import tempfile
 import _common
 import pytest
 
+from optax_accum import _versions
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 H100, H100X8, TPU = "h100", "h100x8", "v5e_2x2"
@@ -303,6 +305,24 @@ def test_distributed_engines_write_zero_updates_only_for_optax_apply(
   assert [b for _, b in held] == [2048 * 2048 * 4] * 4
 
 
+# Known misses, XLA's, by the jax (and so the XLA) installed: key -> (the
+# most extra memory allowed, in accumulators, why). Documented in
+# examples/README.md, "On GPUs and TPUs".
+XLA_MEMORY_MISSES = {}
+if _versions.jax_at_least("0.12"):  # seen on 0.12.0.1; 0.11 untested
+  XLA_MEMORY_MISSES[f"{H100X8}/shard_map/accum/bf16/plain"] = (
+    # 0.75x as on jax 0.10.2, plus the two temporaries (0.5x).
+    1.26,
+    "XLA:GPU of jax 0.12 runs two of the emitting branch's four per-leaf"
+    " all-reduces (psum over 'data') synchronously, as plain `all-reduce`s"
+    " whose f32[2048,2048] results take 16 MiB temporaries of their own"
+    " (psum_invariant.31.2, psum_invariant.32.2 in the buffer assignment);"
+    " jax 0.10.2's all-reduce-start/done pairs reduced in the accumulator's"
+    " buffer (0.750x). 2 x 16 MiB = 0.5x the accumulator; the float32 step"
+    " has them too, inside the plain step's larger temporaries (0.996x).",
+  )
+
+
 @pytest.mark.parametrize(
   "key",
   [
@@ -321,7 +341,14 @@ def test_distributed_engines_write_zero_updates_only_for_optax_apply(
 def test_extra_memory_is_at_most_the_accumulator(facts, key):
   """Compiled footprint minus the plain step's (plain data parallel for the
   distributed engines) <= 1.05 x the accumulator's bytes."""
-  assert _extra_memory(facts, key) <= 1.05
+  extra = _extra_memory(facts, key)
+  if key in XLA_MEMORY_MISSES:
+    # Strict: the known miss and no more (fixed, it fails here, so that
+    # XLA_MEMORY_MISSES loses it).
+    most, reason = XLA_MEMORY_MISSES[key]
+    assert 1.05 < extra <= most, extra
+    pytest.xfail(f"known, {extra:.3f}x: {reason}")
+  assert extra <= 1.05
 
 
 @pytest.mark.parametrize("key", keys(f"{H100}/optax", f"{H100}/accum"))
@@ -491,8 +518,20 @@ def test_a_plain_lax_cond_is_removed_and_its_optimizer_runs_every_call(facts):
   assert inner_only_inside_a_conditional(facts["h100/plant/lax_cond"])
 
 
+# XLA:GPU of jax 0.10.2 copies what a holding branch that is not branch 0
+# passes through (twelve 16 MiB copies on a micro-step); that of jax 0.12
+# does not (seen on 0.12.0.1, 0.11 untested: the plant compiles to the clean
+# step's 335.8 MB). `_control.cond` keeps the holding branch first for the
+# XLAs that copy.
+XLA_COPIES_A_LATER_HOLDING_BRANCH = not _versions.jax_at_least("0.12")
+
+
 def test_a_holding_branch_that_is_not_branch_0_copies(facts):
-  assert no_copies_on_a_micro_step(facts["h100/plant/holding_branch_last"])
+  found = no_copies_on_a_micro_step(facts["h100/plant/holding_branch_last"])
+  if XLA_COPIES_A_LATER_HOLDING_BRANCH:
+    assert found
+  else:
+    assert found is None, found
 
 
 def test_the_cpu_form_on_an_accelerator_costs_a_pass_over_the_accumulator(

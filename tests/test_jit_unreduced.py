@@ -28,7 +28,7 @@ from test_unreduced import (
 
 import optax_accum
 from optax_accum import _unreduced
-from optax_accum.inspect import _collectives
+from optax_accum.inspect import _collectives, _hlo
 
 K = 3
 STEPS = 2
@@ -262,21 +262,34 @@ def _compiled_step(layout, every_k):
 def test_one_parameter_sized_all_reduce_in_the_emitting_branch(layout):
   compiled = _compiled_step(layout, 4)
   ops = _collectives.collectives(compiled)
+  # A gradient reduction runs across "data"; tensor parallelism's own
+  # reductions run across "model" alone (told apart by their device groups,
+  # as `assert_reduction_deferred(axis_name=)` does: by bytes they are not,
+  # jax 0.12's 640 B activation all-reduce being as large as a leaf here).
+  axes = _collectives.spanned_axes(
+    ops, _hlo.HloModule(compiled.as_text()), compiled, "data"
+  )
   reductions = [o for o in ops if o.opcode in ("all-reduce", "reduce-scatter")]
-  big = [o for o in reductions if o.bytes >= PARAM_BYTES // 4]
+  over_data = [o for o in reductions if "data" in axes[o]]
+  big = [o for o in over_data if o.bytes >= PARAM_BYTES // 4]
   # Tensor parallelism: the all-reduce covers each device's half of the
   # "model"-sharded leaves.
   expected = PARAM_BYTES // 2 if layout == "tp" else PARAM_BYTES
   assert [o.opcode for o in big] == ["all-reduce"], ops
   assert big[0].emitting and not big[0].unconditional, ops
   assert big[0].bytes >= 0.9 * expected, (big, expected)
-  # Every call reduces only the helper's loss-and-weight scalars. (Tensor
-  # parallelism gathers activations over "model"; FSDP gathers the params
-  # for the forward pass: gathers, not gradient reductions.)
-  every_call = [o for o in reductions if o.unconditional]
+  # Every call reduces only the helper's loss-and-weight scalars across
+  # "data". (Tensor parallelism gathers activations over "model" and, from
+  # jax 0.12, all-reduces them there; FSDP gathers the params for the
+  # forward pass: gathers, not gradient reductions.)
+  every_call = [o for o in over_data if o.unconditional]
   assert every_call and all(o.bytes <= 8 for o in every_call), ops
+  others = [o for o in reductions if o not in over_data]
+  assert all(axes[o] == ("model",) and layout == "tp" for o in others), ops
   assert (
-    _collectives.assert_reduction_deferred(compiled, min_bytes=PARAM_BYTES // 4)
+    _collectives.assert_reduction_deferred(
+      compiled, min_bytes=PARAM_BYTES // 4, axis_name="data"
+    )
     == ops
   )
 

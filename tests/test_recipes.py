@@ -20,6 +20,8 @@ hold: the assertions can fail.
 import _common
 import pytest
 
+from optax_accum import _versions
+
 RATIO = 1.05
 SINGLE = [
   "readme_quick_start",
@@ -47,8 +49,12 @@ CLEAN = [(r, d) for r in SINGLE for d in ("f32", "bf16")] + [
 # returns its loss flips the tie: a step returning it over a params pytree
 # (README style) misses too, one returning nothing does not. The static
 # step (`emit=`, no conditional) holds one gradient whatever it returns.
-# Documented in docs/guides/scaling_accelerators.md, "On GPUs and TPUs".
-MEMORY_MISSES = {("nnx_guide", "bf16")}
+# Documented in docs/guides/scaling_accelerators.md, "On GPUs and TPUs". XLA:GPU of jax 0.12
+# (seen on 0.12.0.1; 0.11 untested) adds each gradient as it comes there:
+# no miss.
+MEMORY_MISSES = (
+  set() if _versions.jax_at_least("0.12") else {("nnx_guide", "bf16")}
+)
 
 
 @pytest.fixture(scope="module")

@@ -155,6 +155,34 @@ def test_an_optax_too_old_that_does_not_import_names_the_minimum(tmp_path):
   assert "installed: optax 0.2.3." in last, last
 
 
+def _pins(name):
+  text = (ROOT / "constraints" / name).read_text()
+  return dict(
+    line.split("==", 1)
+    for line in text.splitlines()
+    if line and not line.startswith("#")
+  )
+
+
+def test_readme_names_the_tested_pairs():
+  """The pinned legs of `make test` (constraints/*.txt), each with its
+  Python, are the ones the README's requirements name."""
+  (paragraph,) = [
+    " ".join(p.split())
+    for p in README.split("\n\n")
+    if p.startswith("**Requirements:**")
+  ]
+  oldest, py311 = _pins("oldest.txt"), _pins("py311.txt")
+  assert (
+    f"on jax {oldest['jax']}, optax {oldest['optax']} on Python 3.11"
+    " (`make test-oldest`)" in paragraph
+  )
+  assert f"on jax {py311['jax']} on Python 3.11 (`make test-py311`)" in (
+    paragraph
+  )
+  assert "the whole suite on the newest jax for the newest Python" in paragraph
+
+
 def test_the_oldest_stack_pins_the_minimums():
   """`make test-oldest` runs the core on exactly the declared minimums."""
   text = (ROOT / "constraints" / "oldest.txt").read_text()

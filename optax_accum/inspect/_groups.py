@@ -5,7 +5,7 @@ in the instruction's attributes):
 
 * a list of lists, ``{{0,1,2,3},{4,5,6,7}}``; ``{}`` is one group of every
   device. ``shard_map``'s ``psum`` / ``psum_scatter`` / ``all_gather`` print
-  this form.
+  this form up to jax 0.10 (the mesh form below from jax 0.12).
 * an iota list, ``[2,4]<=[8]``: 2 groups of 4, read row by row from
   ``iota(8)``; ``[4,2]<=[2,4]T(1,0)`` reads them from
   ``iota(8).reshape(2, 4).transpose(1, 0)``. The SPMD partitioner printed
@@ -17,8 +17,11 @@ in the instruction's attributes):
   ``, device_ids=(3,1,0,2)`` gives the mesh's devices when they are not
   ``iota(n)``; an axis ``'a':(2)4`` is the sub-axis of size 4 after a major
   part of size 2 (Shardy's sub-axes). XLA's partitioner prints this form for
-  the collectives it inserts under ``jit``, on CPU, GPU and TPU alike; its
-  mesh is its own (axes ``axis_0``, ``axis_1``, ...), not the user's.
+  the collectives it inserts under ``jit``, on CPU, GPU and TPU alike. With
+  jax 0.10's XLA its mesh is its own (axes ``axis_0``, ``axis_1``, ...), not
+  the user's; with jax 0.12's it is the user's mesh, in that mesh's device
+  order (``mesh['replica'=2,'fsdp'=4] {'fsdp'}``), for ``shard_map``'s
+  collectives too.
 
 The ids in a group mean what the op's *group mode* says (XLA's
 ``CollectiveOpGroupMode``, from ``channel_id`` and
