@@ -266,7 +266,7 @@ def test_one_parameter_sized_all_reduce_in_the_emitting_branch(layout):
   # reductions run across "model" alone (told apart by their device groups,
   # as `assert_reduction_deferred(axis_name=)` does: by bytes they are not,
   # jax 0.12's 640 B activation all-reduce being as large as a leaf here).
-  axes = _collectives.spanned_axes(
+  axes = _collectives.mesh_axes_of(
     ops, _hlo.HloModule(compiled.as_text()), compiled, "data"
   )
   reductions = [o for o in ops if o.opcode in ("all-reduce", "reduce-scatter")]

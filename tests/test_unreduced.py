@@ -196,7 +196,7 @@ def test_micro_step_compiles_without_parameter_sized_all_reduce(layout):
     fn = jax.jit(distributed.local_value_and_grad(_token_mean, has_weight=True))
     compiled = fn.lower(params, batch).compile()
     micro = _collectives.collectives(compiled)
-    axes = _collectives.spanned_axes(
+    axes = _collectives.mesh_axes_of(
       micro, _hlo.HloModule(compiled.as_text()), compiled, "data", mesh
     )
     grads = fn(params, batch)[1]
