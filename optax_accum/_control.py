@@ -100,10 +100,12 @@ def cond(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any):
   algebraic simplifier folds back into a predicate; the conditional
   simplifier then inlines a predicate conditional whose branches are all
   elementwise into selects, so both branches run on every call (the inner
-  optimizer on every micro-step). And a pass-through branch that is not
-  branch 0 makes copy insertion copy the operands it passes through. An
-  ``int32`` index (``lax.switch`` clamps it, so it stays an integer) with
-  the holding branch first avoids both. Held by
+  optimizer on every micro-step). And, with jax/jaxlib 0.10.2's XLA:GPU, a
+  pass-through branch that is not branch 0 makes copy insertion copy the
+  operands it passes through (jax 0.12's no longer does; branch 0 first
+  stays, for the older XLAs the package supports). An ``int32`` index
+  (``lax.switch`` clamps it, so it stays an integer) with the holding branch
+  first avoids both. Held by
   ``tests/test_accelerators.py`` (plants ``lax_cond`` and
   ``holding_branch_last``).
   """
