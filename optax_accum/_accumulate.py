@@ -911,7 +911,7 @@ def _run_inner_on_mean(
       start as soon as its gradient is added; selects keep a weightless
       cycle's result out.
     weight_checked: the caller runs this only for a positive (or NaN) total
-      weight; otherwise :func:`_run_if_weighted` keeps a weightless cycle's
+      weight; otherwise :func:`_inner_where_weighted` keeps a weightless cycle's
       result out.
     apply: also apply the updates to the params (when given), next to
       `inner` (not with `static`).
@@ -938,7 +938,7 @@ def _run_inner_on_mean(
     updates, inner_state, params = select_(updated, *operands)
   else:
     skip = functools.partial(_skip_inner, inner)
-    updates, inner_state, params = _run_if_weighted(
+    updates, inner_state, params = _inner_where_weighted(
       updated, run, skip, select_, *operands
     )
   params = params if apply else None
@@ -1107,7 +1107,7 @@ def _close(engine, update_types, params, out, cycle_ends, updated):
   return _per_backend(params, out, cpu=with_select, accelerator=in_conditional)
 
 
-def _run_if_weighted(updated, run, skip, run_then_select, *operands):
+def _inner_where_weighted(updated, run, skip, run_then_select, *operands):
   """The inner optimizer, in a conditional branch that ends every cycle
   (weightless ones too): its result where `updated` (the total weight is
   positive, or NaN), else `skip`'s (zero updates, the state as it was).

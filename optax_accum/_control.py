@@ -200,7 +200,7 @@ def run_if_weighted(
   and after it). Seen for the unreduced and ``shard_map`` engines with
   jax/jaxlib 0.10.2 (8 parameter-sized copies per micro-step with Adam, 2
   layers). `skip` is branch 0 and passes its operands through (see
-  :func:`cond`). Used on CPU only (``_run_if_weighted`` in ``_accumulate.py``). Held
+  :func:`cond`). Used on CPU only (``_inner_where_weighted`` in ``_accumulate.py``). Held
   by ``tests/test_flax_mesh.py`` (no parameter-sized copy on a micro-step).
   """
   return cond(weighted, run, skip, *operands)
