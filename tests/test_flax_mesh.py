@@ -18,6 +18,8 @@ Structure only (``memory_analysis()``, the compiled HLO), never a time:
 """
 
 import functools
+import subprocess
+import sys
 
 import chex
 import jax
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _common import REPO, last_json_line, run_with_compilers
+from _common import REPO, accel_env, last_json_line
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -211,9 +213,20 @@ def test_a_loss_that_updates_model_state_is_refused():
 @pytest.fixture(scope="module")
 def h100x8():
   """The guide's step and its reduced control, compiled for 8 H100s in a
-  subprocess with the compilers."""
+  subprocess with the compilers: a process of its own, not the shared
+  compile server (after other workers ran there, flax 0.12.12's
+  `nnx.state` failed sorting a pytree's keys, "'<' not supported between
+  instances of 'str' and 'int'": a fresh-clone run, jax 0.12.0.1)."""
   worker = REPO / "tests" / "_flax_mesh_accel_worker.py"
-  return last_json_line(run_with_compilers([worker]))
+  out = subprocess.run(
+    [sys.executable, str(worker)],
+    env=accel_env(),
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  assert out.returncode == 0, out.stderr[-4000:]
+  return last_json_line(out.stdout)
 
 
 def test_h100x8_micro_step_is_the_floor(h100x8):
