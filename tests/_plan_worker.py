@@ -34,6 +34,7 @@ import jax  # noqa: E402
 import optax_accum  # noqa: E402
 from optax_accum import _plan  # noqa: E402
 
+
 def _peak_here(model, target: str, n: int) -> int:
   """The compiled peak of `model`'s step for `n` examples on `target`."""
   where = _plan.where_to_compile(target, None)

@@ -41,6 +41,53 @@ jax.config.update("jax_num_cpu_devices", NUM_CPU_DEVICES)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+# For measuring the suite (issue 40): with OPTAX_ACCUM_COMPILE_STATS=FILE,
+# each pytest process appends a JSON line there as it ends: its CPU seconds,
+# the seconds jax spent compiling for the CPU (XLA, and the persistent
+# cache's reads) and lowering, and the CPU seconds of the subprocesses it
+# started (examples, benchmarks, the compile server: tests/_accel_server.py
+# writes its own lines to OPTAX_ACCUM_ACCEL_STATS).
+_STATS = os.environ.get("OPTAX_ACCUM_COMPILE_STATS")
+_SECONDS: dict[str, float] = {}
+_COUNTS: dict[str, int] = {}
+if _STATS:
+
+  def _on_event(event: str, seconds: float, **kwargs) -> None:
+    del kwargs
+    _SECONDS[event] = _SECONDS.get(event, 0.0) + seconds
+    _COUNTS[event] = _COUNTS.get(event, 0) + 1
+
+  jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def pytest_sessionfinish(session):
+  if not _STATS:
+    return
+  import json
+  import resource
+
+  own = resource.getrusage(resource.RUSAGE_SELF)
+  children = resource.getrusage(resource.RUSAGE_CHILDREN)
+  # pytest-xdist's controller: its children are the workers, which write
+  # lines of their own.
+  controller = not hasattr(session.config, "workerinput") and bool(
+    session.config.getoption("numprocesses", None)
+  )
+  record = {
+    "pid": os.getpid(),
+    "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+    "cpu_s": own.ru_utime + own.ru_stime,
+    "children_cpu_s": 0.0
+    if controller
+    else children.ru_utime + children.ru_stime,
+    "events": {
+      k: {"seconds": _SECONDS[k], "count": _COUNTS[k]} for k in _SECONDS
+    },
+  }
+  with open(_STATS, "a") as f:
+    f.write(json.dumps(record) + "\n")
+
+
 @pytest.fixture(params=list(MODES), ids=list(MODES))
 def maybe_jit(request):
   """Every behaviour runs eagerly and under jit."""
