@@ -32,12 +32,15 @@ STAMP := $(VENV)/.installed-$(notdir $(PYTHON))
 
 # Installs into a venv (1: the venv, 2: pip's arguments) with uv, from the
 # package index like pip, which it resolves, downloads and unpacks in
-# parallel: the three venvs of `make test` in about 20 s on the 2-core box
-# (pip took about 200 s, its cache warm; issue 40). uv comes from the
+# parallel (issue 40: the main venv and the compilers in 40 s from scratch
+# on the 2-core box, pip took 94 s with its cache warm). uv comes from the
 # package index into the venv; where it cannot install, pip does the work.
+# --compile-bytecode, as pip does: without it, where PYTHONDONTWRITEBYTECODE
+# is set (as on CI), every process compiles jax from source, 4 s a process.
 define install
 $(1)/bin/python -m pip install --quiet uv && \
-  $(1)/bin/uv pip install --quiet --python $(1)/bin/python $(2) || \
+  $(1)/bin/uv pip install --quiet --compile-bytecode \
+    --python $(1)/bin/python $(2) || \
   $(1)/bin/python -m pip install --quiet $(2)
 endef
 
