@@ -81,10 +81,11 @@ lint: $(STAMP)
 PYTEST_WORKERS ?= 2
 
 # Then the core on Python 3.11 (test-py311) and on the oldest supported
-# stack (test-oldest), both below, with two workers too: measured from
-# scratch on the quiet 2-core box (no venv, an empty compilation cache),
-# test-py311 125 s (12 s to install, 112 s to run), test-oldest 92 s (12 s,
-# 79 s).
+# stack (test-oldest), both below, with two workers too. From a fresh clone
+# on the quiet 2-core box (`CI=true make test`, 20 min in all): the main
+# suite 891 s, test-py311 119 s and test-oldest 86 s to run, each with an
+# empty compilation cache; the installs, lint and docs about 75 s together.
+# Where the time goes: tools/suite_stats.py.
 # The site first (docs, below: about 15 s; measured on 2 shared cores).
 test: python-note $(STAMP) $(ACCEL_STAMP) lint docs
 	OPTAX_ACCUM_ACCEL=$(abspath $(ACCEL)) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope --durations=30

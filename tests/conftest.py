@@ -50,12 +50,15 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 _STATS = os.environ.get("OPTAX_ACCUM_COMPILE_STATS")
 _SECONDS: dict[str, float] = {}
 _COUNTS: dict[str, int] = {}
+_PROGRAMS: dict[str, float] = {}
 if _STATS:
 
-  def _on_event(event: str, seconds: float, **kwargs) -> None:
+  def _on_event(event: str, seconds: float, fun_name=None, **kwargs) -> None:
     del kwargs
     _SECONDS[event] = _SECONDS.get(event, 0.0) + seconds
     _COUNTS[event] = _COUNTS.get(event, 0) + 1
+    if event.endswith("backend_compile_duration"):  # and by program name
+      _PROGRAMS[fun_name] = _PROGRAMS.get(fun_name, 0.0) + seconds
 
   jax.monitoring.register_event_duration_secs_listener(_on_event)
 
@@ -80,6 +83,7 @@ def pytest_sessionfinish(session):
     "children_cpu_s": 0.0
     if controller
     else children.ru_utime + children.ru_stime,
+    "compile_s_by_name": _PROGRAMS,
     "events": {
       k: {"seconds": _SECONDS[k], "count": _COUNTS[k]} for k in _SECONDS
     },

@@ -32,6 +32,10 @@ def main(cpu_path: str, accel_path: str | None = None) -> None:
   hits = event("/jax/compilation_cache/cache_retrieval_time_sec", "count")
   lower_s = event("/jax/core/compile/jaxpr_to_mlir_module_duration", "seconds")
   trace_s = event("/jax/core/compile/jaxpr_trace_duration", "seconds")
+  by_name: dict[str, float] = {}
+  for r in rows:
+    for name, seconds in r.get("compile_s_by_name", {}).items():
+      by_name[name] = by_name.get(name, 0.0) + seconds
   accel = 0.0
   if accel_path:
     last = {}  # a server's CPU seconds grow with each script: keep its last
@@ -47,12 +51,14 @@ def main(cpu_path: str, accel_path: str | None = None) -> None:
   print(f"  lowering to MLIR: {lower_s:.0f} s, tracing: {trace_s:.0f} s")
   rest = own - compile_s - lower_s - trace_s
   print(f"  the rest (running, Python): {rest:.0f} s")
-  print(f"subprocesses: {children:.0f} CPU s")
+  top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+  print("  compile seconds by program name (jit_add, ...: eager operations):")
+  for name, seconds in top:
+    print(f"    {seconds:7.1f} {name}")
+  print(f"subprocesses waited for: {children:.0f} CPU s")
   if accel_path:
-    print(f"  of which the accelerator compile servers: {accel:.0f} s")
-    print(
-      f"  the others (examples, benchmarks, workers): {children - accel:.0f} s"
-    )
+    # Never waited for (each ends with its pytest process): apart.
+    print(f"the accelerator compile servers: {accel:.0f} CPU s")
 
 
 if __name__ == "__main__":
