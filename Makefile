@@ -34,7 +34,8 @@ STAMP := $(VENV)/.installed-$(notdir $(PYTHON))
 # package index like pip, which it resolves, downloads and unpacks in
 # parallel (issue 40: the main venv and the compilers in 40 s from scratch
 # on the 2-core box, pip took 94 s with its cache warm). uv comes from the
-# package index into the venv; where it cannot install, pip does the work.
+# package index into the venv; where it cannot be installed, or its install
+# fails, pip does the install.
 # --compile-bytecode, as pip does: without it, where PYTHONDONTWRITEBYTECODE
 # is set (as on CI), every process compiles jax from source, 4 s a process.
 define install
@@ -82,9 +83,10 @@ PYTEST_WORKERS ?= 2
 
 # Then the core on Python 3.11 (test-py311) and on the oldest supported
 # stack (test-oldest), both below, with two workers too. From a fresh clone
-# on the quiet 2-core box (`CI=true make test`, 20 min in all): the main
-# suite 891 s, test-py311 119 s and test-oldest 86 s to run, each with an
-# empty compilation cache; the installs, lint and docs about 75 s together.
+# on the quiet 2-core box (`CI=true make test`, two runs: 18 and 20 min in
+# all): the main suite 804-891 s, test-py311 102-119 s and test-oldest
+# 86-90 s to run, each with an empty compilation cache; the installs, lint
+# and docs about 75 s together.
 # Where the time goes: tools/suite_stats.py.
 # The site first (docs, below: about 15 s; measured on 2 shared cores).
 test: python-note $(STAMP) $(ACCEL_STAMP) lint docs
@@ -116,8 +118,12 @@ $(OLD_STAMP): constraints/oldest.txt
 	$(call install,$(OLD_VENV),-r constraints/oldest.txt)
 	touch $(OLD_STAMP)
 
+# The core's run, for a leg's Python: test-oldest and test-py311.
+CORE_PYTEST := -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope \
+  $(CORE_TESTS) -k "not nojit"
+
 test-oldest: $(OLD_STAMP)
-	$(OLD_PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope $(CORE_TESTS) -k "not nojit"
+	$(OLD_PY) $(CORE_PYTEST)
 
 # --- Python 3.11's leg (issue 42) ---------------------------------------------
 # When the main venv runs a newer Python: the same core on the newest jax
@@ -142,7 +148,7 @@ test-py311:
 	@echo "test-py311: the main venv runs Python 3.11 already; not run again."
 else
 test-py311: $(PY311_STAMP)
-	$(PY311_PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope $(CORE_TESTS) -k "not nojit"
+	$(PY311_PY) $(CORE_PYTEST)
 endif
 
 # Says which Python the main venv runs, loudly when it is not the newest
