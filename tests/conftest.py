@@ -48,15 +48,15 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # started (examples, benchmarks, the compile server: tests/_accel_server.py
 # writes its own lines to OPTAX_ACCUM_ACCEL_STATS).
 _STATS = os.environ.get("OPTAX_ACCUM_COMPILE_STATS")
-_SECONDS: dict[str, float] = {}
-_COUNTS: dict[str, int] = {}
+_EVENTS: dict[str, dict] = {}  # event: {"seconds": ..., "count": ...}
 _PROGRAMS: dict[str, float] = {}
 if _STATS:
 
   def _on_event(event: str, seconds: float, fun_name=None, **kwargs) -> None:
     del kwargs
-    _SECONDS[event] = _SECONDS.get(event, 0.0) + seconds
-    _COUNTS[event] = _COUNTS.get(event, 0) + 1
+    total = _EVENTS.setdefault(event, {"seconds": 0.0, "count": 0})
+    total["seconds"] += seconds
+    total["count"] += 1
     if event.endswith("backend_compile_duration"):  # and by program name
       _PROGRAMS[fun_name] = _PROGRAMS.get(fun_name, 0.0) + seconds
 
@@ -84,9 +84,7 @@ def pytest_sessionfinish(session):
     if controller
     else children.ru_utime + children.ru_stime,
     "compile_s_by_name": _PROGRAMS,
-    "events": {
-      k: {"seconds": _SECONDS[k], "count": _COUNTS[k]} for k in _SECONDS
-    },
+    "events": _EVENTS,
   }
   with open(_STATS, "a") as f:
     f.write(json.dumps(record) + "\n")
