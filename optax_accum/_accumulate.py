@@ -1084,7 +1084,13 @@ def _close(engine, update_types, params, out, cycle_ends, updated):
     (``tests/test_performance_structure.py`` fails on it: one accumulator
     copy per micro-step). So the params are applied in a conditional of
     their own and the accumulator returns to zeros with a select, fused into
-    one elementwise pass.
+    one elementwise pass, in place once that conditional has read the
+    buffer (:func:`_control.ordered`). That pass is the CPU micro-step's
+    distance from the floor. A conditional that zeroes the buffer instead
+    is the floor with :func:`optax_accum.apply_updates`, but where the
+    caller reads the updates after it (``optax.apply_updates``) XLA:CPU
+    copies the accumulator on every micro-step, and a program cannot tell
+    which caller it has (``tools/cpu_cond_probe.py``).
   """
 
   def applied(params, out):
@@ -1102,6 +1108,7 @@ def _close(engine, update_types, params, out, cycle_ends, updated):
   def with_select(params, out):
     if params is not None:
       params = _control.cond(updated, applied, lambda p, o: p, params, out)
+      params, out = _control.ordered(params, out)
     return params, engine.cleared(cycle_ends, out, out)
 
   return _per_backend(params, out, cpu=with_select, accelerator=in_conditional)

@@ -1,7 +1,7 @@
 """What costs the traced CPU micro-step its distance from the floor (issue 38,
 item 4): a probe of XLA:CPU, not a benchmark of the package's pages.
 
-Five hand-written micro-steps of 4 dense ``W``-square tanh layers (``W=2048``:
+Hand-written micro-steps of 4 dense ``W``-square tanh layers (``W=2048``:
 64 MiB of params), params, accumulator and momentum donated, timed
 interleaved (7 rounds of 10 calls, medians) against the floor (the gradient
 added into the accumulator), with each one's compiled temporary bytes:
@@ -11,13 +11,32 @@ added into the accumulator), with each one's compiled temporary bytes:
   and updates params and momentum on the cycle's last call (passes them
   through otherwise): is a conditional passing big buffers through costly?
 - ``cond_then_select``: ``cond_big``, then the accumulator back to zeros
-  with a select on every call (the package's CPU form today);
+  with a select on every call (the shape of the package's CPU form);
 - ``zeros_in_branch``: the accumulator an output of the conditional, zeros
   in its updating branch;
 - ``add_in_branch``: the add inside both branches;
+- ``split_close``: the updates written into the accumulator's buffer by
+  the updating branch, applied to the params in a conditional of their own,
+  then (ordered after it by ``lax.optimization_barrier``) a third
+  conditional that zeroes the buffer on the cycle's last call and passes it
+  through otherwise: the floor;
+- ``split_close_read_after``: ``split_close`` whose caller also reads the
+  updates after it (``optax.apply_updates``): XLA:CPU cannot order that
+  read before the zeroing conditional and copies the accumulator on every
+  call;
 - ``accumulate`` and ``accumulate+optax_apply``: the package's traced step
   (momentum SGD, ``every_k`` never reached) with ``optax_accum.apply_updates``
-  and with ``optax.apply_updates``.
+  and with ``optax.apply_updates``; ``accumulate_unordered``: the first
+  without ``_control.ordered`` (the select that zeroes the buffer then runs
+  before the params' conditional has read it, out of place).
+
+What it showed (jax 0.12.0.1): the zeroing conditional is the floor for
+the step the guides write (``optax_accum.apply_updates``) and costs a copy
+of the accumulator on every call, and as many bytes of memory, when the
+caller reads the updates after it (``optax.apply_updates``); the select
+the package uses costs one in-place pass over the accumulator for either
+caller. A program cannot tell which caller it has: the closing note of
+issue 38 gives the figures.
 
 Run: ``.venv/bin/python tools/cpu_cond_probe.py [W]``.
 """
@@ -32,6 +51,7 @@ import jax.numpy as jnp
 import optax
 
 import optax_accum
+from optax_accum import _control
 
 W = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
 LAYERS = 4
@@ -117,6 +137,41 @@ def add_in_branch(p, acc, mu, n, x):
   return p, acc, mu, n + 1
 
 
+def momentum_into(mu, acc):
+  """Momentum SGD whose updates are written over the accumulator."""
+  mu = jax.tree.map(lambda m, a: 0.9 * m + a, mu, acc)
+  return mu, jax.tree.map(lambda m: -1e-3 * m, mu)
+
+
+def switch(pred, true_fun, false_fun, *operands):
+  """``lax.cond`` as the package writes it (``_control.cond``)."""
+  return jax.lax.switch(
+    pred.astype(jnp.int32), (false_fun, true_fun), *operands
+  )
+
+
+def _split_close(p, acc, mu, n, x):
+  ends = n == ENDS_AT
+  acc = add(acc, grad(p, x))
+  mu, out = switch(ends, momentum_into, lambda mu, acc: (mu, acc), mu, acc)
+  p = switch(ends, add, lambda p, o: p, p, out)
+  p, out = jax.lax.optimization_barrier((p, out))
+  acc = switch(ends, zeros, lambda o: o, out)
+  return p, acc, mu, n + 1, ends, out
+
+
+@donated
+def split_close(p, acc, mu, n, x):
+  return _split_close(p, acc, mu, n, x)[:4]
+
+
+@donated
+def split_close_read_after(p, acc, mu, n, x):
+  p, acc, mu, n, ends, out = _split_close(p, acc, mu, n, x)
+  updates = jax.tree.map(lambda o: jnp.where(ends, o, 0), out)
+  return add(p, updates), acc, mu, n
+
+
 tx = optax_accum.accumulate(optax.sgd(1e-3, momentum=0.9), every_k=10**6)
 
 
@@ -130,6 +185,34 @@ def accumulate(p, s, x):
 def accumulate_optax_apply(p, s, x):
   u, s = tx.update(grad(p, x), s, p)
   return optax.apply_updates(p, u), s
+
+
+class _Unordered:
+  """`accumulate`, traced with `_control.ordered` taken out (a function of
+  its own, so that JAX does not reuse `accumulate`'s trace)."""
+
+  def __init__(self):
+    def step(p, s, x):
+      return accumulate.__wrapped__(p, s, x)
+
+    self.jitted = jax.jit(step, donate_argnums=(0, 1))
+
+  def _traced(self, method, *args):
+    ordered = _control.ordered
+    _control.ordered = lambda first, then: (first, then)
+    try:
+      return method(*args)
+    finally:
+      _control.ordered = ordered
+
+  def lower(self, *args):
+    return self._traced(self.jitted.lower, *args)
+
+  def __call__(self, *args):
+    return self._traced(self.jitted, *args)
+
+
+accumulate_unordered = _Unordered()
 
 
 def main() -> None:
@@ -150,9 +233,15 @@ def main() -> None:
     "cond_then_select": (cond_then_select, fresh(hand)),
     "zeros_in_branch": (zeros_in_branch, fresh(hand)),
     "add_in_branch": (add_in_branch, fresh(hand)),
+    "split_close": (split_close, fresh(hand)),
+    "split_close_read_after": (split_close_read_after, fresh(hand)),
     "accumulate": (accumulate, fresh(lambda: (tx.init(params),))),
     "accumulate+optax_apply": (
       accumulate_optax_apply,
+      fresh(lambda: (tx.init(params),)),
+    ),
+    "accumulate_unordered": (
+      accumulate_unordered,
       fresh(lambda: (tx.init(params),)),
     ),
   }
