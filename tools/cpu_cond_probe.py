@@ -187,32 +187,16 @@ def accumulate_optax_apply(p, s, x):
   return optax.apply_updates(p, u), s
 
 
-class _Unordered:
-  """`accumulate`, traced with `_control.ordered` taken out (a function of
-  its own, so that JAX does not reuse `accumulate`'s trace)."""
-
-  def __init__(self):
-    def step(p, s, x):
-      return accumulate.__wrapped__(p, s, x)
-
-    self.jitted = jax.jit(step, donate_argnums=(0, 1))
-
-  def _traced(self, method, *args):
-    ordered = _control.ordered
-    _control.ordered = lambda first, then: (first, then)
-    try:
-      return method(*args)
-    finally:
-      _control.ordered = ordered
-
-  def lower(self, *args):
-    return self._traced(self.jitted.lower, *args)
-
-  def __call__(self, *args):
-    return self._traced(self.jitted, *args)
-
-
-accumulate_unordered = _Unordered()
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def accumulate_unordered(p, s, x):
+  """`accumulate`, traced with `_control.ordered` taken out."""
+  ordered = _control.ordered
+  _control.ordered = lambda first, then: (first, then)
+  try:
+    u, s = tx.update(grad(p, x), s, p)
+  finally:
+    _control.ordered = ordered
+  return optax_accum.apply_updates(p, u, s), s
 
 
 def main() -> None:
