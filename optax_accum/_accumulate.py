@@ -25,11 +25,14 @@ and the step should need no memory beyond the accumulator. So:
   through;
 * **the zero updates** of a micro-step are a ``where`` outside the
   conditional, which fuses with ``optax.apply_updates``;
-* **closing the cycle**: once the updates are read, the accumulator returns
-  to zeros and, given the params, the updates are applied (what
-  :func:`optax_accum.apply_updates` returns, see ``_apply.py``), in a way that
-  leaves a micro-step reading and writing neither (:func:`_close`: the one
-  place where CPU and GPU/TPU programs differ);
+* **closing the cycle**: given the params, the updates are applied (what
+  :func:`optax_accum.apply_updates` returns, see ``_apply.py``) in a way
+  that leaves a micro-step reading and writing neither; on GPU/TPU the
+  accumulator returns to zeros there, while on CPU it keeps the updates as
+  *leftovers* (``micro_step`` 0 with the cycle's weight beside them), which
+  the next call does not read: its add starts from zeros, a select fused
+  into it (:func:`_close` and :func:`_cycle_start`: where CPU and GPU/TPU
+  programs differ);
 * with ``update(..., emit=True | False)`` the caller says at trace time
   whether the call ends the cycle: no conditional at all.
 
@@ -122,9 +125,15 @@ def accumulate(
   number of examples or tokens as ``weight``: the emitted gradient is then
   the big-batch mean, however unevenly they are spread.
 
-  After an emitting call the state's ``acc_grads`` is zeros and its
-  ``acc_weight`` 0, on every backend, with or without ``jit``: a state
-  saved anywhere resumes anywhere.
+  After a call that ends a cycle the state's ``micro_step`` is 0 and it
+  holds no cycle: its ``acc_grads`` is zeros (``acc_weight`` 0), or, left
+  by a program compiled for CPU, the cycle's updates as leftovers, which the
+  cycle's non-zero ``acc_weight`` marks and the next call does not read (on
+  CPU that spares every micro-step a pass over the accumulator). A state
+  saved anywhere resumes anywhere, with or without ``jit``: bit for bit,
+  except that a program compiled for GPU/TPU throws a CPU program's
+  leftovers away with its first cycle (one cycle without an update, never
+  a wrong one).
 
   Rules for runtime values:
 
@@ -213,8 +222,11 @@ def accumulate(
     >>> u, state = tx.update(jnp.array([4.0, 8.0]), state, params, weight=3)
     >>> print(u)  # -(1 * [1, 2] + 3 * [4, 8]) / 4
     [-3.25 -6.5 ]
-    >>> print(state.acc_grads, state.acc_weight)  # a fresh cycle
-    [0. 0.] 0.0
+    >>> print(state.micro_step)  # no cycle open
+    0
+    >>> u, state = tx.update(jnp.array([2.0, 2.0]), state, params)
+    >>> print(state.acc_grads, state.acc_weight)  # a new cycle, from zeros
+    [2. 2.] 1.0
   """
   _checks.options(reduction, axis_name, gradients)
   track_noise_scale = _checks.boolean(track_noise_scale, "track_noise_scale")
@@ -607,12 +619,13 @@ def _add(
   if call.may_flush:
     flush = engine.agree(lax.pmax, flush)
 
-  # A state optax_accum 0.1 left on CPU after an update holds that update
-  # in acc_grads and its weight in acc_weight (0.2 leaves zeros and 0): its
-  # cycle starts at weight -inf, so that it ends without an update and
-  # leaves zeros. One cycle without an update; never a wrong one.
-  left_by_v01 = (state.micro_step == 0) & (state.acc_weight != 0)
-  cycle_weight = jnp.where(left_by_v01, -jnp.inf, state.acc_weight)
+  # Leftovers: at micro_step 0 a non-zero weight says that acc_grads holds
+  # the last cycle's (the CPU traced step leaves them; optax_accum 0.1 on
+  # CPU did too), not a cycle under way.
+  leftovers = (state.micro_step == 0) & (state.acc_weight != 0)
+  start, cycle_weight = _cycle_start(
+    engine, leftovers, state.acc_grads, state.acc_weight
+  )
 
   keep = accepted if config.skip_nonfinite else None
   scale = weighted and config.gradients == "mean"
@@ -625,7 +638,7 @@ def _add(
     lambda a, g: add_term(
       a, g, ops=engine, weight=weight if scale else None, keep=keep
     ),
-    state.acc_grads,
+    start,
     grads,
   )
   micro_step = state.micro_step + accepted.astype(jnp.int32)
@@ -639,6 +652,39 @@ def _add(
     params=params,
   )
   return cycle, accepted
+
+
+def _cycle_start(
+  engine: Local, leftovers: jax.Array, acc: Any, acc_weight: jax.Array
+) -> tuple[Any, jax.Array]:
+  """The accumulator this call adds into and the cycle's weight so far:
+  `acc` and `acc_weight`, with the state's `leftovers` of the last cycle
+  (a state left by a CPU program, or by optax_accum 0.1 on CPU) not read.
+
+  * CPU: zeros and 0 in their place, a select that XLA fuses into the add:
+    one pass, in place;
+  * GPU/TPU (whose programs leave no leftovers): the add stays ``acc +
+    dot``, fused into each weight gradient's GEMM (a select on the
+    accumulator's side of the add is not), so the leftovers are added and
+    the cycle starts at weight -inf: it ends without an update and leaves
+    zeros. One cycle without an update, never a wrong one. (A conditional
+    that zeroes them instead costs the noise-scale step four
+    parameter-sized copies on an H100, and the several-GPU step a
+    conditional in its command buffer.)
+  """
+
+  def not_read(leftovers, acc, acc_weight):
+    acc = jax.tree.map(
+      lambda a: engine.select(leftovers, engine.zero(a), a), acc
+    )
+    return acc, jnp.where(leftovers, 0.0, acc_weight)
+
+  def thrown_away(leftovers, acc, acc_weight):
+    return acc, jnp.where(leftovers, -jnp.inf, acc_weight)
+
+  return _per_backend(
+    leftovers, acc, acc_weight, cpu=not_read, accelerator=thrown_away
+  )
 
 
 def _add_noise(
@@ -713,8 +759,8 @@ def _decide_on_device(
   whether this call ends the cycle.
 
   Where the updates fit the accumulator's buffer (:func:`_shares_buffer`)
-  the updating branch writes them there and :func:`_close` returns the
-  buffer to zeros once they are read. Otherwise (another dtype or tree, a
+  the updating branch writes them there and :func:`_close` closes the
+  cycle once they are read. Otherwise (another dtype or tree, a
   buffer that varies over devices) they get buffers of their own and the
   updating branch zeroes the accumulator and applies them itself.
   """
@@ -722,7 +768,7 @@ def _decide_on_device(
   enter = cycle.ends
   if shares and engine.global_weight:
     # A weightless cycle skips the branch (a NaN total still enters, so
-    # that the NaN reaches `inner`); the closing step zeroes it. Inside
+    # that the NaN reaches `inner`). Inside
     # shard_map the global weight is known only in the branch.
     enter = cycle.ends & ~(cycle.weight <= 0)
   mean_sq = None
@@ -776,8 +822,14 @@ def _decide_on_device(
   out, decided = _control.cond(enter, update, hold, cycle, mean_sq)
   weight, noise, inner_state, updated, cycle_weight = decided
   if shares:
-    new_params, acc = _close(
-      engine, inner.update_types, cycle.params, out, cycle.ends, updated
+    new_params, acc, acc_weight = _close(
+      engine,
+      inner.update_types,
+      cycle.params,
+      out,
+      cycle.ends,
+      updated,
+      weight,
     )
     # The updates, exact zeros unless updated; outside the conditional, so
     # that the select fuses with optax.apply_updates.
@@ -788,12 +840,13 @@ def _decide_on_device(
     )
   else:
     updates, acc, new_params = out
+    acc_weight = jnp.where(cycle.ends, 0.0, weight)
   return Result(
     updates=updates,
     updated=updated,
     new_params=new_params,
     acc=acc,
-    acc_weight=jnp.where(cycle.ends, 0.0, weight),
+    acc_weight=acc_weight,
     noise=noise,
     inner_state=inner_state,
     cycle_ends=cycle.ends,
@@ -806,7 +859,7 @@ def _end_cycle_now(
 ) -> Result:
   """``emit=True``: the caller says this call ends the cycle. No
   conditional (see :func:`_run_inner_on_mean`); the accumulator is left at
-  zeros."""
+  zeros (the reduced sum's: see ``_engines.py``)."""
   mean_sq = None
   if config.track_noise_scale and engine.axis_name is None:
     mean_sq = _mean_sq_norm(cycle.acc, cycle.weight)
@@ -1054,12 +1107,16 @@ def _settle(inner_state: Any, types: Any) -> Any:
 
 # -- Where CPU and GPU/TPU programs differ. ----------------------------------
 #
-# One meaning of the state on every backend: after a call that ends a cycle,
-# ``acc_grads`` is zeros and ``acc_weight`` 0; while a cycle is open they
-# hold its sum and total weight. A state saved on one backend resumes on any
-# other, bit for bit (tests/test_backend_forms.py). What differs is only how
-# the code gets there, because XLA:CPU and XLA:GPU/TPU treat a buffer passed
-# through a conditional differently.
+# One meaning of the state on every backend: while a cycle is open
+# (micro_step > 0), ``acc_grads`` and ``acc_weight`` hold its sum and total
+# weight. At micro_step 0 no cycle is open: ``acc_grads`` holds zeros (weight
+# 0), or leftovers of the last cycle (a non-zero weight), which the next
+# cycle does not read. The CPU form leaves leftovers, the GPU/TPU form zeros;
+# both take either, so a state saved on one backend resumes on any other
+# (tests/test_backend_forms.py): bit for bit, except that the GPU/TPU form
+# throws leftovers away with their cycle (:func:`_cycle_start`).
+# What differs is how the code gets there, because XLA:CPU and XLA:GPU/TPU
+# fuse and copy around a conditional differently.
 
 
 def _per_backend(*args: Any, cpu: Callable, accelerator: Callable) -> Any:
@@ -1070,48 +1127,51 @@ def _per_backend(*args: Any, cpu: Callable, accelerator: Callable) -> Any:
   return lax.platform_dependent(*args, cpu=cpu, default=accelerator)
 
 
-def _close(engine, update_types, params, out, cycle_ends, updated):
-  """``(new_params, acc)`` once the updates the updating branch wrote into
-  the accumulator's buffer `out` have been read: `params` with them applied
-  (None without params) and the accumulator, zeros if the cycle ended.
+def _close(engine, update_types, params, out, cycle_ends, updated, weight):
+  """``(new_params, acc, acc_weight)`` once the updates the updating branch
+  wrote into the accumulator's buffer `out` have been read: `params` with
+  them applied (None without params), and the state's accumulator and
+  weight (`weight` is the cycle's).
 
   * GPU/TPU: a second conditional, entered when the cycle ends, applies the
-    updates and zeroes the buffer in place; on a micro-step it passes both
-    through untouched, so a micro-step neither reads nor writes them and the
-    add into the accumulator fuses into each weight gradient's GEMM;
-  * CPU: XLA:CPU's copy insertion copies a buffer that a conditional passes
-    through whenever that buffer is read after it
-    (``tests/test_performance_structure.py`` fails on it: one accumulator
-    copy per micro-step). So the params are applied in a conditional of
-    their own and the accumulator returns to zeros with a select, fused into
-    one elementwise pass, in place once that conditional has read the
-    buffer (:func:`_control.ordered`). That pass is the CPU micro-step's
-    distance from the floor. A conditional that zeroes the buffer instead
-    is the floor with :func:`optax_accum.apply_updates`, but where the
-    caller reads the updates after it (``optax.apply_updates``) XLA:CPU
-    copies the accumulator on every micro-step, and a program cannot tell
-    which caller it has (``tools/cpu_cond_probe.py``).
+    updates and zeroes the buffer in place (weight 0); on a micro-step it
+    passes both through untouched, so a micro-step neither reads nor writes
+    them and the add into the accumulator fuses into each weight gradient's
+    GEMM;
+  * CPU: the params are applied in a conditional of their own, and the
+    buffer keeps the updates: leftovers, which the cycle's weight, left
+    beside them at micro_step 0, marks, and which the next call does not
+    read (:func:`_cycle_start`). Returning the buffer to zeros here costs
+    every micro-step a pass over it (a select after the conditional), or,
+    wherever the caller reads the updates after the step
+    (``optax.apply_updates``), a copy of it (a conditional that zeroes it:
+    XLA:CPU copies a buffer that a conditional passes through when it is
+    read after; ``tools/cpu_cond_probe.py``).
   """
 
   def applied(params, out):
     updates = jax.tree.map(lambda b, t: b.astype(t.dtype), out, update_types)
     return optax.apply_updates(params, updates)
 
-  def in_conditional(params, out):
+  def in_conditional(params, out, weight):
     def close(params, out):
       if params is not None:  # The select fuses into the update's kernel.
         params = select(updated, applied(params, out), params)
       return params, _control.cleared(cycle_ends, out, engine)
 
-    return _control.cond(cycle_ends, close, lambda p, o: (p, o), params, out)
+    params, out = _control.cond(
+      cycle_ends, close, lambda p, o: (p, o), params, out
+    )
+    return params, out, jnp.where(cycle_ends, 0.0, weight)
 
-  def with_select(params, out):
+  def leftovers(params, out, weight):
     if params is not None:
       params = _control.cond(updated, applied, lambda p, o: p, params, out)
-      params, out = _control.ordered(params, out)
-    return params, engine.cleared(cycle_ends, out, out)
+    return params, out, weight
 
-  return _per_backend(params, out, cpu=with_select, accelerator=in_conditional)
+  return _per_backend(
+    params, out, weight, cpu=leftovers, accelerator=in_conditional
+  )
 
 
 def _inner_where_weighted(updated, run, skip, run_then_select, *operands):

@@ -275,8 +275,9 @@ def not_a_foreign_restore(value: AccumulateState) -> None:
   """Raises if a concrete state holds a sum with no cycle under way, before
   the run's first update (``step`` 0).
 
-  No call leaves that (a cycle's end leaves zeros and weight 0; optax_accum
-  0.1 on CPU left its weight too): it is what a restore that fills a
+  No call leaves that: a cycle's end leaves zeros and weight 0, or
+  leftovers beside a non-zero weight (CPU; optax_accum 0.1 on CPU too). It
+  is what a restore that fills a
   ``MultiSteps`` checkpoint's missing fields from a fresh target gives,
   ``MultiSteps``' running mean beside a fresh counter and inner state.
   """

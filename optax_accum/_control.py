@@ -185,26 +185,6 @@ def psum_with_scalars(
   return reduced + last, scalars
 
 
-def ordered(first: Any, then: Any) -> tuple[Any, Any]:
-  """``(first, then)`` unchanged, with every use of the returned `then`
-  ordered after `first` is computed (``lax.optimization_barrier``).
-
-  For the select that returns the accumulator's buffer to zeros on CPU
-  (``_close`` in ``_accumulate.py``), after the conditional that applies
-  the updates written in that buffer to the params. XLA:CPU (jax
-  0.12.0.1), with nothing ordering the two: it runs the select first, so
-  that the conditional can still read the buffer, and writes the zeros
-  into a fresh parameter-sized buffer instead of in place: half an
-  accumulator more memory with Adam, and a micro-step at 2.0x the floor
-  instead of 1.5x (64 MB of params, ``benchmarks/bench_step.py``). With
-  ``optax.apply_updates`` the params are not applied there and XLA drops
-  the barrier. The XLAs of jax 0.10.2 and 0.7.1 write out of place either
-  way. Held by ``tests/test_performance_structure.py``
-  (``test_extra_memory_with_apply_updates``).
-  """
-  return lax.optimization_barrier((first, then))
-
-
 def run_if_weighted(
   weighted: jax.Array, run: Callable, skip: Callable, *operands: Any
 ) -> Any:

@@ -93,11 +93,15 @@ class AccumulateState(NamedTuple):
       mid-cycle (read it with :func:`current_every_k`).
     acc_grads: The accumulator, a tree like the params with leaves in
       ``accumulator_dtype``: :math:`\\sum_i w_i g_i` over the micro-batches
-      of the current cycle; zeros when ``micro_step == 0`` (after every
-      call that ends a cycle, on every backend).
+      of the current cycle. At ``micro_step == 0`` (fresh, or after a call
+      that ends a cycle) zeros, or, where ``acc_weight`` is not 0 there,
+      leftovers of the last cycle (its updates: a program compiled for CPU
+      leaves them rather than spend a pass over the accumulator on zeros),
+      which the next call does not read.
     acc_weight: ``float32[]``. :math:`\\sum_i w_i`, the total weight
       accumulated in the current cycle (with the default weight of 1, the
-      number of micro-batches); 0 when ``micro_step == 0``.
+      number of micro-batches). At ``micro_step == 0``: 0, or the last
+      cycle's weight beside its leftovers.
     weight_seen: ``float32[2]``. The total weight of the cycles that ended
       with an update over the whole run (tokens or examples, the unit of
       ``weight``), as a compensated sum ``[total, -rounding error]`` so that

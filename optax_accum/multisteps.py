@@ -42,8 +42,8 @@ State fields (reading a ``MultiStepsState`` name from an
                                     finds it inside chains too)
   acc_grads (the running MEAN)      acc_grads (the running SUM of w_i g_i;
                                     the mean so far is acc_grads /
-                                    acc_weight; zeros after a cycle ends,
-                                    on every backend)
+                                    acc_weight; at mini_step 0, zeros or
+                                    leftovers the next call does not read)
   skip_state                        num_skipped (a count over the run)
 
 Checkpoints. A ``MultiSteps`` checkpoint does not fit an ``accumulate``
@@ -326,11 +326,15 @@ def to_multisteps(
   """
   state = find_state(opt_state, "to_multisteps")
   n = state.micro_step
+  # At micro_step 0 no cycle is open, whatever acc_grads holds (leftovers
+  # of the last one, on CPU): MultiSteps' zeros.
+  empty = n == 0
   if use_grad_mean:
     inv = jnp.where(state.acc_weight > 0, 1 / state.acc_weight, 0.0)
     acc = jax.tree.map(lambda a: (a * inv).astype(a.dtype), state.acc_grads)
   else:
     acc = state.acc_grads
+  acc = jax.tree.map(lambda a: jnp.where(empty, jnp.zeros([], a.dtype), a), acc)
   return optax.MultiStepsState(
     mini_step=n,
     gradient_step=state.step,

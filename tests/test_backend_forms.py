@@ -2,14 +2,17 @@
 ``optax_accum/_accumulate.py``).
 
 A program compiled for CPU and one compiled for GPU or TPU close a cycle in
-different ways (a select, or a conditional that zeroes the accumulator in
-place), and both leave the same state: zeros and weight 0 after a call that
-ends a cycle. This machine runs only the CPU form, so these tests pin
+different ways: the CPU form leaves the updates in acc_grads as leftovers,
+marked by the cycle's weight at micro_step 0, which the next call does not
+read (a select fused into its add); the GPU/TPU form zeroes the accumulator
+in place (weight 0), and throws a CPU program's leftovers away with their
+cycle. Both mean the same state. This machine runs only the CPU form, so these tests pin
 ``_accumulate._per_backend`` to each form in turn and run both on CPU: the same
-updates, params and states, bit for bit, and a state saved by one form
-resumes in the other as if nothing had changed. A state optax_accum 0.1
-left on CPU after an emission costs one cycle without an update, never a
-wrong one.
+updates and params, bit for bit, states that mean the same, and a state
+saved by one form resumes in the other as if nothing had changed. Leftovers
+(the CPU form's, or those optax_accum 0.1 left on CPU) are never read; the
+GPU/TPU form throws them away with their cycle: one cycle without an update,
+never a wrong one.
 """
 
 import _common
@@ -112,6 +115,17 @@ def _trajectory(monkeypatch, form, scenario, calls=12, jit=True):
   return out
 
 
+def _meaning(state):
+  """`state` with leftovers (micro_step 0, a non-zero weight) replaced by
+  the zeros and weight 0 they stand for."""
+  if int(state.micro_step) != 0:
+    return state
+  return state._replace(
+    acc_grads=jax.tree.map(jnp.zeros_like, state.acc_grads),
+    acc_weight=jnp.zeros_like(state.acc_weight),
+  )
+
+
 def _assert_fresh(state):
   chex.assert_trees_all_equal(
     state.acc_grads, jax.tree.map(jnp.zeros_like, state.acc_grads)
@@ -127,9 +141,15 @@ def test_both_forms_give_the_same_run(monkeypatch, scenario, jit):
   for (p, s, u), (q, t, v) in zip(cpu, accelerator, strict=True):
     chex.assert_trees_all_equal(u, v, strict=True)
     chex.assert_trees_all_equal(p, q, strict=True)
-    chex.assert_trees_all_equal(s, t, strict=True)  # the whole state
-    if int(s.micro_step) == 0:  # a cycle boundary: a fresh accumulator
-      _assert_fresh(s)
+    # The whole state, leftovers read as what they mean.
+    chex.assert_trees_all_equal(_meaning(s), _meaning(t), strict=True)
+    if int(t.micro_step) == 0:  # a cycle boundary: zeros on GPU/TPU
+      _assert_fresh(t)
+    shares = scenario not in ("static", "bf16_accumulator")
+    if int(s.micro_step) == 0 and shares and s.emitted:
+      # The CPU form leaves the updates where they fit the accumulator's
+      # buffer (float32 updates fit no bfloat16 one), marked by the weight.
+      assert float(s.acc_weight) != 0.0
   assert any(bool(optax_accum.has_updated(s)) for _, s, _ in cpu)
 
 
@@ -146,7 +166,9 @@ def _cycle(tx, state, params, start, static):
 @pytest.mark.parametrize("first", list(FORMS))
 def test_a_state_resumes_in_the_other_form(monkeypatch, first, static):
   """Saved by one form at a cycle boundary and mid-cycle, resumed by the
-  other: the run goes on bit for bit as in the first form."""
+  other: the run goes on bit for bit as in the first form; except that the
+  GPU/TPU form throws the CPU form's leftovers (a traced cycle's end) away
+  with their cycle, and then goes on as from a clean start."""
   other = "cpu" if first == "accelerator" else "accelerator"
   params = _common.params()
 
@@ -160,12 +182,19 @@ def test_a_state_resumes_in_the_other_form(monkeypatch, first, static):
       out.append((updates, state))
     return out
 
-  for (u, s), (v, t) in zip(
-    run([first, first, first]), run([first, other, other]), strict=True
-  ):
+  unswitched, switched = run([first] * 3), run([first, other, other])
+  if first == "cpu" and not static:
+    (updates, state), (after, _) = switched[1:]
+    assert not optax_accum.has_updated(state) and int(state.step) == 1
+    chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, updates))
+    _assert_fresh(state)
+    tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+    clean, _ = _cycle(tx, tx.init(params), params, 4, static)
+    chex.assert_trees_all_equal(after, clean, strict=True)
+    unswitched, switched = unswitched[:1], switched[:1]
+  for (u, s), (v, t) in zip(unswitched, switched, strict=True):
     chex.assert_trees_all_equal(u, v, strict=True)
-    chex.assert_trees_all_equal(s, t, strict=True)
-    _assert_fresh(t)
+    chex.assert_trees_all_equal(_meaning(s), _meaning(t), strict=True)
   # Mid-cycle: one call in the first form, the rest in the other.
   _pin(monkeypatch, first)
   tx = optax_accum.accumulate(optax.sgd(1.0), 3)
@@ -179,7 +208,9 @@ def test_a_state_resumes_in_the_other_form(monkeypatch, first, static):
     for i in (1, 2):
       updates, state = jax.jit(tx.update)(_common.grads(i), state, params)
     ends[form] = (updates, state)
-  chex.assert_trees_all_equal(ends[first], ends[other], strict=True)
+  (u, s), (v, t) = ends[first], ends[other]
+  chex.assert_trees_all_equal(u, v, strict=True)
+  chex.assert_trees_all_equal(_meaning(s), _meaning(t), strict=True)
 
 
 def _v01_cpu_state(params):
@@ -193,22 +224,26 @@ def _v01_cpu_state(params):
 
 @pytest.mark.parametrize("static", [False, True], ids=["traced", "static"])
 @pytest.mark.parametrize("form", list(FORMS))
-def test_a_v01_cpu_state_costs_one_cycle(monkeypatch, form, static):
-  """Resumed in either form (traced or static): the cycle that starts on
-  0.1's leftovers ends without an update and leaves zeros; the next cycle is
-  exactly what a clean start gives."""
+def test_a_v01_cpu_state_resumes(monkeypatch, form, static):
+  """0.1's leftovers are the CPU form's: never read. Resumed in the CPU
+  form, the next cycle is exactly what a clean start gives; in the GPU/TPU
+  form the cycle that starts on them ends without an update and leaves
+  zeros, and the cycle after it is a clean start's."""
   params = _common.params()
   _pin(monkeypatch, form)
   state = _v01_cpu_state(params)
   tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+  clean, _ = _cycle(tx, tx.init(params), params, 10, static)
   updates, state = _cycle(tx, state, params, 10, static)
-  assert not optax_accum.has_updated(state) and int(state.step) == 1
-  chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, updates))
-  _assert_fresh(state)
-  resumed, state = _cycle(tx, state, params, 20, static)
-  clean, _ = _cycle(tx, tx.init(params), params, 20, static)
-  chex.assert_trees_all_equal(resumed, clean)
-  assert int(state.step) == 2
+  if form == "accelerator":
+    assert not optax_accum.has_updated(state) and int(state.step) == 1
+    zeros = jax.tree.map(jnp.zeros_like, updates)
+    chex.assert_trees_all_equal(updates, zeros)
+    _assert_fresh(state)
+    updates, state = _cycle(tx, state, params, 20, static)
+    clean, _ = _cycle(tx, tx.init(params), params, 20, static)
+  chex.assert_trees_all_equal(updates, clean)
+  assert bool(optax_accum.has_updated(state))
 
 
 def test_without_the_flag_a_v01_state_would_add_its_leftovers(monkeypatch):
@@ -225,3 +260,73 @@ def test_without_the_flag_a_v01_state_would_add_its_leftovers(monkeypatch):
   clean, _ = jax.jit(tx.update)(_common.grads(1), tx.init(params), params)
   with pytest.raises(AssertionError):
     chex.assert_trees_all_close(updates, clean)
+
+
+# name -> (accumulate kwargs, per-call update kwargs, gradient of call i)
+FIRST_CALLS = {
+  "plain": ({}, lambda i: {}, _common.grads),
+  "zero_weight_first": ({}, lambda i: {"weight": float(i > 0)}, _common.grads),
+  "summed_zero_weight_first": (
+    {"gradients": "sum"},
+    lambda i: {"weight": float(i > 0)},
+    lambda i: jax.tree.map(lambda g: g * float(i > 0), _common.grads(i)),
+  ),
+  "skipped_first": (
+    {"skip_nonfinite": True},
+    lambda i: {},
+    lambda i: _nan_grads(i) if i == 0 else _common.grads(i),
+  ),
+}
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["traced", "static"])
+@pytest.mark.parametrize("first", list(FIRST_CALLS))
+@pytest.mark.parametrize("form", list(FORMS))
+def test_what_a_cycle_end_leaves_is_never_read(
+  monkeypatch, form, first, static
+):
+  """Leftovers are never read: whatever acc_grads holds beside the marking
+  weight at micro_step 0 (here NaN, which any read would spread), the next
+  cycle is bit for bit the one that starts from zeros, whatever its first
+  call (a zero weight, a skipped micro-batch); in the GPU/TPU form it ends
+  without an update (NaN-free zeros)."""
+  _pin(monkeypatch, form)
+  kwargs, per_call, grads_of = FIRST_CALLS[first]
+  tx = optax_accum.accumulate(optax.adam(0.1), 2, **kwargs)
+  params = _common.params()
+  update = jax.jit(tx.update, static_argnames="emit")
+  _, ended = _cycle(tx, tx.init(params), params, 0, static)
+  assert int(ended.micro_step) == 0 and int(ended.step) == 1
+  nan = ended._replace(
+    acc_grads=jax.tree.map(
+      lambda a: jnp.full_like(a, jnp.nan), ended.acc_grads
+    ),
+    acc_weight=jnp.float32(2.0),
+  )
+  zeros = ended._replace(
+    acc_weight=jnp.float32(0.0),
+    acc_grads=jax.tree.map(jnp.zeros_like, ended.acc_grads),
+  )
+  calls = 3 if first == "skipped_first" else 2  # a skipped call counts not
+  runs = []
+  for state in (nan, zeros):
+    out = []
+    for i in range(calls):
+      options = per_call(i) | ({"emit": i == calls - 1} if static else {})
+      updates, state = update(grads_of(i), state, params, **options)
+      out.append((updates, state.acc_grads))
+    runs.append((out, state))
+  if form == "accelerator":
+    (out, state), _ = runs
+    assert not bool(optax_accum.has_updated(state))
+    for updates, _ in out:
+      chex.assert_trees_all_equal(
+        updates, jax.tree.map(jnp.zeros_like, updates)
+      )
+    return
+  chex.assert_trees_all_equal(runs[0], runs[1], strict=True)
+  assert bool(optax_accum.has_updated(runs[1][1]))
+  leaves = jax.tree.leaves(runs[1][0][-1][0])
+  assert all(
+    bool(jnp.all(jnp.isfinite(u))) and bool(jnp.any(u != 0)) for u in leaves
+  )

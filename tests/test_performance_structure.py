@@ -253,14 +253,13 @@ def test_extra_memory_is_the_accumulator_and_nothing_else(opt, dtype, k):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_extra_memory_with_apply_updates(dtype):
   """The step as the guides write it (``optax_accum.apply_updates``) needs
-  no more than with ``optax.apply_updates``: the select that returns the
-  accumulator to zeros on CPU writes in place, after the params'
-  conditional has read the buffer (``_control.ordered``; without it,
+  no more than with ``optax.apply_updates``: the updates the params'
+  conditional reads stay in the accumulator's buffer as leftovers (a
+  select returning it to zeros after that conditional wrote out of place:
   1.25x-1.49x the accumulator).
 
-  The XLA of jax 0.12 (this suite's venv). Older XLAs keep the select out
-  of place whatever orders it (jax 0.10.2 and 0.7.1: 1.485x with float32,
-  measured); their legs run the core tests only.
+  Measured with the XLA of jax 0.12 (this suite's venv); xfails on older
+  XLAs (their legs run the core tests only).
   """
   ours, _ = _extra_memory_ratio(
     "adam", dtype, 4, apply=optax_accum.apply_updates
@@ -298,16 +297,17 @@ def test_extra_memory_with_xla_memory_scheduler():
   margins = {
     f"{o}-{d}-k{k}": EXTRA_MEMORY_MARGIN for o, d, k in SCHEDULER_BOUND
   }
-  # The select that returns the accumulator to zeros at a cycle's end (one
-  # meaning of the state, `_close` in optax_accum/_accumulate.py) is placed by this
+  # These margins were set while the CPU form returned the accumulator to
+  # zeros at every call with a select; it now leaves leftovers (`_close` in
+  # optax_accum/_accumulate.py), and the margins still hold (not
+  # re-measured to the digit). Then: the select, placed by this
   # scheduler before a read of the updates it overwrites, for one leaf:
   # 1.096x measured (1.0001x in 0.1, which left the updates in the buffer).
   # XLA:CPU of jax 0.12 compiles accumulate's step to the same 14,173,233
   # bytes and the plain step 116 KiB smaller (its temporaries 3,149,824
   # against 3,268,608 bytes, the small activations packed tighter): 1.124x.
-  # And with the select ordered after the params' conditional
-  # (`_control.ordered`, which takes optax_accum.apply_updates' step from
-  # 1.49x to 1.00x, test_extra_memory_with_apply_updates), jax 0.12's
+  # And with the select ordered after the params' conditional (a barrier,
+  # since removed), jax 0.12's
   # scheduler places it before the reads for two leaves: 1.374x, what the
   # default scheduler gives (the XLA of jax 0.10.2: 1.096x, unchanged).
   margins["clip_adamw-bf16-k4"] = (

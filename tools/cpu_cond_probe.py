@@ -24,19 +24,22 @@ added into the accumulator), with each one's compiled temporary bytes:
   updates after it (``optax.apply_updates``): XLA:CPU cannot order that
   read before the zeroing conditional and copies the accumulator on every
   call;
+- ``lazy_start`` and ``lazy_start_read_after``: nothing zeroes the buffer
+  after the updates are written there; the cycle's first add starts from
+  zeros instead (a select fused into the add), and the params are applied
+  in a conditional of their own, or by the caller after the step;
 - ``accumulate`` and ``accumulate+optax_apply``: the package's traced step
   (momentum SGD, ``every_k`` never reached) with ``optax_accum.apply_updates``
-  and with ``optax.apply_updates``; ``accumulate_unordered``: the first
-  without ``_control.ordered`` (the select that zeroes the buffer then runs
-  before the params' conditional has read it, out of place).
+  and with ``optax.apply_updates``.
 
-What it showed (jax 0.12.0.1): the zeroing conditional is the floor for
-the step the guides write (``optax_accum.apply_updates``) and costs a copy
-of the accumulator on every call, and as many bytes of memory, when the
-caller reads the updates after it (``optax.apply_updates``); the select
-the package uses costs one in-place pass over the accumulator for either
-caller. A program cannot tell which caller it has: the closing note of
-issue 38 gives the figures.
+What it showed (jax 0.12.0.1): zeroing the buffer after the updates are
+read costs either caller something: the zeroing conditional is the floor
+for ``optax_accum.apply_updates`` and costs a copy of the accumulator on
+every call, and as many bytes of memory, when the caller reads the updates
+after it (``optax.apply_updates``); a select after the conditional costs
+one pass over the accumulator for either caller. Not zeroing it, with the
+next cycle's first add starting from zeros, is the floor for both: what the
+package does since (the closing notes of issue 38 give the figures).
 
 Run: ``.venv/bin/python tools/cpu_cond_probe.py [W]``.
 """
@@ -51,7 +54,6 @@ import jax.numpy as jnp
 import optax
 
 import optax_accum
-from optax_accum import _control
 
 W = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
 LAYERS = 4
@@ -172,6 +174,31 @@ def split_close_read_after(p, acc, mu, n, x):
   return add(p, updates), acc, mu, n
 
 
+def _lazy_start(p, acc, mu, n, x):
+  ends, fresh = n == ENDS_AT, n == 0
+  acc = jax.tree.map(
+    lambda a, g: jnp.where(fresh, jnp.zeros([], a.dtype), a) + g,
+    acc,
+    grad(p, x),
+  )
+  mu, out = switch(ends, momentum_into, lambda mu, acc: (mu, acc), mu, acc)
+  return ends, out, mu
+
+
+@donated
+def lazy_start(p, acc, mu, n, x):
+  ends, out, mu = _lazy_start(p, acc, mu, n, x)
+  p = switch(ends, add, lambda p, o: p, p, out)
+  return p, out, mu, n + 1
+
+
+@donated
+def lazy_start_read_after(p, acc, mu, n, x):
+  ends, out, mu = _lazy_start(p, acc, mu, n, x)
+  updates = jax.tree.map(lambda o: jnp.where(ends, o, 0), out)
+  return add(p, updates), out, mu, n + 1
+
+
 tx = optax_accum.accumulate(optax.sgd(1e-3, momentum=0.9), every_k=10**6)
 
 
@@ -185,18 +212,6 @@ def accumulate(p, s, x):
 def accumulate_optax_apply(p, s, x):
   u, s = tx.update(grad(p, x), s, p)
   return optax.apply_updates(p, u), s
-
-
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def accumulate_unordered(p, s, x):
-  """`accumulate`, traced with `_control.ordered` taken out."""
-  ordered = _control.ordered
-  _control.ordered = lambda first, then: (first, then)
-  try:
-    u, s = tx.update(grad(p, x), s, p)
-  finally:
-    _control.ordered = ordered
-  return optax_accum.apply_updates(p, u, s), s
 
 
 def main() -> None:
@@ -219,13 +234,11 @@ def main() -> None:
     "add_in_branch": (add_in_branch, fresh(hand)),
     "split_close": (split_close, fresh(hand)),
     "split_close_read_after": (split_close_read_after, fresh(hand)),
+    "lazy_start": (lazy_start, fresh(hand)),
+    "lazy_start_read_after": (lazy_start_read_after, fresh(hand)),
     "accumulate": (accumulate, fresh(lambda: (tx.init(params),))),
     "accumulate+optax_apply": (
       accumulate_optax_apply,
-      fresh(lambda: (tx.init(params),)),
-    ),
-    "accumulate_unordered": (
-      accumulate_unordered,
       fresh(lambda: (tx.init(params),)),
     ),
   }
