@@ -668,9 +668,10 @@ def _cycle_start(
     accumulator's side of the add is not), so the leftovers are added and
     the cycle starts at weight -inf: it ends without an update and leaves
     zeros. One cycle without an update, never a wrong one. (A conditional
-    that zeroes them instead costs the noise-scale step four
-    parameter-sized copies on an H100, and the several-GPU step a
-    conditional in its command buffer.)
+    that zeroes them, beside the closing one, compiled for an H100: four
+    parameter-sized copies on the noise-scale step's micro-step, and a
+    conditional inside the several-GPU step's command buffer;
+    ``tests/test_accelerators.py``.)
   """
 
   def not_read(leftovers, acc, acc_weight):
@@ -759,17 +760,17 @@ def _decide_on_device(
   whether this call ends the cycle.
 
   Where the updates fit the accumulator's buffer (:func:`_shares_buffer`)
-  the updating branch writes them there and :func:`_close` closes the
-  cycle once they are read. Otherwise (another dtype or tree, a
-  buffer that varies over devices) they get buffers of their own and the
-  updating branch zeroes the accumulator and applies them itself.
+  the updating branch writes them there and :func:`_close` closes the cycle
+  once they are read. Otherwise (another dtype or tree, a buffer that
+  varies over devices) they get buffers of their own and the updating
+  branch zeroes the accumulator and applies them itself.
   """
   shares = _shares_buffer(engine, inner, cycle.acc)
   enter = cycle.ends
   if shares and engine.global_weight:
     # A weightless cycle skips the branch (a NaN total still enters, so
-    # that the NaN reaches `inner`). Inside
-    # shard_map the global weight is known only in the branch.
+    # that the NaN reaches `inner`). Inside shard_map the global weight is
+    # known only in the branch.
     enter = cycle.ends & ~(cycle.weight <= 0)
   mean_sq = None
   if config.track_noise_scale and engine.axis_name is None:

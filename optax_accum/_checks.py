@@ -277,9 +277,9 @@ def not_a_foreign_restore(value: AccumulateState) -> None:
 
   No call leaves that: a cycle's end leaves zeros and weight 0, or
   leftovers beside a non-zero weight (CPU; optax_accum 0.1 on CPU too). It
-  is what a restore that fills a
-  ``MultiSteps`` checkpoint's missing fields from a fresh target gives,
-  ``MultiSteps``' running mean beside a fresh counter and inner state.
+  is what a restore that fills a ``MultiSteps`` checkpoint's missing fields
+  from a fresh target gives, ``MultiSteps``' running mean beside a fresh
+  counter and inner state.
   """
   counters = (value.step, value.micro_step, value.acc_weight)
   if is_traced(counters):
