@@ -370,8 +370,8 @@ MUTANTS += [
     "_accumulate.py",
     "acc_weight=jnp.zeros_like(cycle.weight),",
     "acc_weight=cycle.weight,",
-    [DIFF, "-k", "emit_k3 and not nojit"],
-    "after emit=True the next cycle is lost",
+    [FORMS, "-k", "same_run and static"],
+    "zeros marked as leftovers: after emit=True, GPU/TPU lose the next cycle",
   ),
   _m(
     "leftovers read on CPU",
