@@ -76,15 +76,20 @@ def test_multisteps_run_continues_under_accumulate(tmp_path, use_grad_mean):
   assert moved > 1e-2  # the run moved far more than the tolerance
 
 
+# Mid-cycle, and at a cycle's end, where a CPU program leaves leftovers in
+# acc_grads that MultiSteps must not add.
+@pytest.mark.parametrize("switch", [SWITCH, 2 * K], ids=["mid_cycle", "end"])
 @pytest.mark.parametrize("use_grad_mean", [True, False], ids=["mean", "sum"])
-def test_accumulate_run_continues_under_multisteps(tmp_path, use_grad_mean):
+def test_accumulate_run_continues_under_multisteps(
+  tmp_path, use_grad_mean, switch
+):
   old, new = _old(use_grad_mean), _new(use_grad_mean)
   params = _params()
   unswitched, _ = _run(new, params, new.init(params), range(CALLS))
-  params, state = _run(new, params, new.init(params), range(SWITCH))
+  params, state = _run(new, params, new.init(params), range(switch))
   restored = _orbax_round_trip(tmp_path, state, new.init(params))
   ms_state = multisteps.to_multisteps(restored, use_grad_mean=use_grad_mean)
-  switched, _ = _run(old, params, ms_state, range(SWITCH, CALLS))
+  switched, _ = _run(old, params, ms_state, range(switch, CALLS))
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6),
     switched,

@@ -155,6 +155,14 @@ MUTANTS = [
     [EDGES, "-k", "honours_every_k"],
     "the converted run updates after the target's k, not the one given",
   ),
+  _m(
+    "to_multisteps keeps leftovers",
+    "multisteps.py",
+    "acc = jax.tree.map(lambda a: jnp.where(empty, jnp.zeros([], a.dtype), a), acc)",
+    "pass",
+    [MULTI[1], "-k", "continues_under_multisteps and end"],
+    "converted at a CPU cycle's end: MultiSteps adds the last update again",
+  ),
 ]
 
 
