@@ -29,7 +29,8 @@ and the step should need no memory beyond the accumulator. So:
   :func:`optax_accum.apply_updates` returns, see ``_apply.py``) in a way
   that leaves a micro-step reading and writing neither; on GPU/TPU the
   accumulator returns to zeros there, while on CPU it keeps the updates as
-  *leftovers* (``micro_step`` 0 with the cycle's weight beside them), which
+  *leftovers* (``micro_step`` 0 with the cycle's weight beside them, -inf
+  for a weightless cycle), which
   the next call does not read: its add starts from zeros, a select fused
   into it (:func:`_close` and :func:`_cycle_start`: where CPU and GPU/TPU
   programs differ);
@@ -624,7 +625,7 @@ def _add(
   # CPU did too), not a cycle under way.
   leftovers = (state.micro_step == 0) & (state.acc_weight != 0)
   start, cycle_weight = _cycle_start(
-    engine, leftovers, state.acc_grads, state.acc_weight
+    engine, state.micro_step, leftovers, state.acc_grads, state.acc_weight
   )
 
   keep = accepted if config.skip_nonfinite else None
@@ -655,14 +656,18 @@ def _add(
 
 
 def _cycle_start(
-  engine: Local, leftovers: jax.Array, acc: Any, acc_weight: jax.Array
+  engine: Local,
+  micro_step: jax.Array,
+  leftovers: jax.Array,
+  acc: Any,
+  acc_weight: jax.Array,
 ) -> tuple[Any, jax.Array]:
   """The accumulator this call adds into and the cycle's weight so far:
   `acc` and `acc_weight`, with the state's `leftovers` of the last cycle
   (a state left by a CPU program, or by optax_accum 0.1 on CPU) not read.
 
-  * CPU: zeros and 0 in their place, a select that XLA fuses into the add:
-    one pass, in place;
+  * CPU: zeros and 0 wherever no cycle is open (``micro_step`` 0, marked
+    or not), a select that XLA fuses into the add: one pass, in place;
   * GPU/TPU (whose programs leave no leftovers): the add stays ``acc +
     dot``, fused into each weight gradient's GEMM (a select on the
     accumulator's side of the add is not), so the leftovers are added and
@@ -674,17 +679,23 @@ def _cycle_start(
     ``tests/test_accelerators.py``.)
   """
 
-  def not_read(leftovers, acc, acc_weight):
-    acc = jax.tree.map(
-      lambda a: engine.select(leftovers, engine.zero(a), a), acc
-    )
-    return acc, jnp.where(leftovers, 0.0, acc_weight)
+  def not_read(micro_step, leftovers, acc, acc_weight):
+    del leftovers
+    fresh = micro_step == 0
+    acc = jax.tree.map(lambda a: engine.select(fresh, engine.zero(a), a), acc)
+    return acc, jnp.where(fresh, 0.0, acc_weight)
 
-  def thrown_away(leftovers, acc, acc_weight):
+  def thrown_away(micro_step, leftovers, acc, acc_weight):
+    del micro_step
     return acc, jnp.where(leftovers, -jnp.inf, acc_weight)
 
   return _per_backend(
-    leftovers, acc, acc_weight, cpu=not_read, accelerator=thrown_away
+    micro_step,
+    leftovers,
+    acc,
+    acc_weight,
+    cpu=not_read,
+    accelerator=thrown_away,
   )
 
 
@@ -1140,9 +1151,10 @@ def _close(engine, update_types, params, out, cycle_ends, updated, weight):
     them and the add into the accumulator fuses into each weight gradient's
     GEMM;
   * CPU: the params are applied in a conditional of their own, and the
-    buffer keeps the updates: leftovers, which the cycle's weight, left
-    beside them at micro_step 0, marks, and which the next call does not
-    read (:func:`_cycle_start`). Returning the buffer to zeros here costs
+    buffer keeps the updates (or a weightless cycle's sum): leftovers, which
+    the cycle's weight left beside them at micro_step 0 marks (-inf for a
+    weightless cycle: its sum need not be zeros, e.g. mixed-sign weights),
+    and which the next call does not read (:func:`_cycle_start`). Returning the buffer to zeros here costs
     every micro-step a pass over it (a select after the conditional), or,
     wherever the caller reads the updates after the step
     (``optax.apply_updates``), a copy of it (a conditional that zeroes it:
@@ -1168,7 +1180,7 @@ def _close(engine, update_types, params, out, cycle_ends, updated, weight):
   def leftovers(params, out, weight):
     if params is not None:
       params = _control.cond(updated, applied, lambda p, o: p, params, out)
-    return params, out, weight
+    return params, out, jnp.where(cycle_ends & (weight == 0), -jnp.inf, weight)
 
   return _per_backend(
     params, out, weight, cpu=leftovers, accelerator=in_conditional

@@ -9,8 +9,8 @@ when they were emitted.
 **The contract between ``update`` and ``apply_updates``** (owned here, and
 only here). A traced ``accumulate`` update given `params` computes, in the
 conditional that closes a cycle, the params with the updates applied (and
-passes them through untouched on a micro-step): applying them there, before
-the accumulator's buffer returns to zeros, is what keeps a micro-step free
+passes them through untouched on a micro-step): applying them there, where
+the updates sit in the accumulator's buffer, is what keeps a micro-step free
 of copies. So:
 
 * the writer: ``update`` calls :func:`remember` with the update tracers it

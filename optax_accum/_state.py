@@ -101,7 +101,7 @@ class AccumulateState(NamedTuple):
     acc_weight: ``float32[]``. :math:`\\sum_i w_i`, the total weight
       accumulated in the current cycle (with the default weight of 1, the
       number of micro-batches). At ``micro_step == 0``: 0, or the last
-      cycle's weight beside its leftovers.
+      cycle's weight beside its leftovers (-inf for a weightless cycle's).
     weight_seen: ``float32[2]``. The total weight of the cycles that ended
       with an update over the whole run (tokens or examples, the unit of
       ``weight``), as a compensated sum ``[total, -rounding error]`` so that

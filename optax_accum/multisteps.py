@@ -327,8 +327,9 @@ def to_multisteps(
   state = find_state(opt_state, "to_multisteps")
   n = state.micro_step
   # At micro_step 0 no cycle is open, whatever acc_grads holds (leftovers
-  # of the last one, on CPU): MultiSteps' zeros.
-  empty = n == 0
+  # of the last one, on CPU): MultiSteps' zeros. So for a cycle that holds
+  # leftovers it throws away (weight -inf, GPU/TPU).
+  empty = (n == 0) | jnp.isneginf(state.acc_weight)
   if use_grad_mean:
     inv = jnp.where(state.acc_weight > 0, 1 / state.acc_weight, 0.0)
     acc = jax.tree.map(lambda a: (a * inv).astype(a.dtype), state.acc_grads)

@@ -41,8 +41,8 @@ def _holding_branch_last(pred, true_fun, false_fun, *operands):
 
 
 def _cpu_form_everywhere(*args, cpu, accelerator):
-  """The CPU form on an accelerator: the accumulator returns to zeros with a
-  select on every call, an extra pass over it on micro-steps."""
+  """The CPU form on an accelerator: the add reads the accumulator through a
+  select (leftovers not read), which keeps it out of the GEMMs."""
   del accelerator
   return cpu(*args)
 

@@ -384,10 +384,18 @@ MUTANTS += [
   _m(
     "leftovers read on CPU",
     "_accumulate.py",
-    "lambda a: engine.select(leftovers, engine.zero(a), a), acc",
-    "lambda a: a, acc",
+    "acc = jax.tree.map(lambda a: engine.select(fresh, engine.zero(a), a), acc)",
+    "pass",
     [FORMS, "-k", "never_read and cpu"],
     "a CPU cycle's leftover update joins the next one",
+  ),
+  _m(
+    "a weightless CPU cycle's end unmarked",
+    "_accumulate.py",
+    "return params, out, jnp.where(cycle_ends & (weight == 0), -jnp.inf, weight)",
+    "return params, out, weight",
+    [FORMS, "-k", "same_run and weightless_sum"],
+    "a CPU state resumed on GPU/TPU adds a weightless cycle's sum",
   ),
   _m(
     "leftovers kept on GPU/TPU",
