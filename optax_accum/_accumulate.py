@@ -30,10 +30,9 @@ and the step should need no memory beyond the accumulator. So:
   that leaves a micro-step reading and writing neither; on GPU/TPU the
   accumulator returns to zeros there, while on CPU it keeps the updates as
   *leftovers* (``micro_step`` 0 with the cycle's weight beside them, -inf
-  for a weightless cycle), which
-  the next call does not read: its add starts from zeros, a select fused
-  into it (:func:`_close` and :func:`_cycle_start`: where CPU and GPU/TPU
-  programs differ);
+  for a weightless cycle), which the next call does not read: its add
+  starts from zeros, a select fused into it (:func:`_close` and
+  :func:`_cycle_start`: where CPU and GPU/TPU programs differ);
 * with ``update(..., emit=True | False)`` the caller says at trace time
   whether the call ends the cycle: no conditional at all.
 
@@ -620,12 +619,8 @@ def _add(
   if call.may_flush:
     flush = engine.agree(lax.pmax, flush)
 
-  # Leftovers: at micro_step 0 a non-zero weight says that acc_grads holds
-  # the last cycle's (the CPU traced step leaves them; optax_accum 0.1 on
-  # CPU did too), not a cycle under way.
-  leftovers = (state.micro_step == 0) & (state.acc_weight != 0)
   start, cycle_weight = _cycle_start(
-    engine, state.micro_step, leftovers, state.acc_grads, state.acc_weight
+    engine, state.micro_step, state.acc_grads, state.acc_weight
   )
 
   keep = accepted if config.skip_nonfinite else None
@@ -656,15 +651,12 @@ def _add(
 
 
 def _cycle_start(
-  engine: Local,
-  micro_step: jax.Array,
-  leftovers: jax.Array,
-  acc: Any,
-  acc_weight: jax.Array,
+  engine: Local, micro_step: jax.Array, acc: Any, acc_weight: jax.Array
 ) -> tuple[Any, jax.Array]:
   """The accumulator this call adds into and the cycle's weight so far:
-  `acc` and `acc_weight`, with the state's `leftovers` of the last cycle
-  (a state left by a CPU program, or by optax_accum 0.1 on CPU) not read.
+  `acc` and `acc_weight`, with leftovers of the last cycle not read (at
+  micro_step 0 a non-zero weight marks them: a state left by a CPU program,
+  or by optax_accum 0.1 on CPU).
 
   * CPU: zeros and 0 wherever no cycle is open (``micro_step`` 0, marked
     or not), a select that XLA fuses into the add: one pass, in place;
@@ -679,23 +671,17 @@ def _cycle_start(
     ``tests/test_accelerators.py``.)
   """
 
-  def not_read(micro_step, leftovers, acc, acc_weight):
-    del leftovers
+  def not_read(micro_step, acc, acc_weight):
     fresh = micro_step == 0
     acc = jax.tree.map(lambda a: engine.select(fresh, engine.zero(a), a), acc)
     return acc, jnp.where(fresh, 0.0, acc_weight)
 
-  def thrown_away(micro_step, leftovers, acc, acc_weight):
-    del micro_step
+  def thrown_away(micro_step, acc, acc_weight):
+    leftovers = (micro_step == 0) & (acc_weight != 0)
     return acc, jnp.where(leftovers, -jnp.inf, acc_weight)
 
   return _per_backend(
-    micro_step,
-    leftovers,
-    acc,
-    acc_weight,
-    cpu=not_read,
-    accelerator=thrown_away,
+    micro_step, acc, acc_weight, cpu=not_read, accelerator=thrown_away
   )
 
 
@@ -1154,9 +1140,10 @@ def _close(engine, update_types, params, out, cycle_ends, updated, weight):
     buffer keeps the updates (or a weightless cycle's sum): leftovers, which
     the cycle's weight left beside them at micro_step 0 marks (-inf for a
     weightless cycle: its sum need not be zeros, e.g. mixed-sign weights),
-    and which the next call does not read (:func:`_cycle_start`). Returning the buffer to zeros here costs
-    every micro-step a pass over it (a select after the conditional), or,
-    wherever the caller reads the updates after the step
+    and which the next call does not read (:func:`_cycle_start`).
+    Returning the buffer to zeros here costs every micro-step a pass over
+    it (a select after the conditional), or, wherever the caller reads the
+    updates after the step
     (``optax.apply_updates``), a copy of it (a conditional that zeroes it:
     XLA:CPU copies a buffer that a conditional passes through when it is
     read after; ``tools/cpu_cond_probe.py``).

@@ -256,25 +256,19 @@ def test_extra_memory_with_apply_updates(dtype):
   no more than with ``optax.apply_updates``: the updates the params'
   conditional reads stay in the accumulator's buffer as leftovers (a
   select returning it to zeros after that conditional wrote out of place:
-  1.25x-1.49x the accumulator).
-
-  Measured with the XLA of jax 0.12 (this suite's venv); xfails on older
-  XLAs (their legs run the core tests only).
+  1.25x-1.49x the accumulator). With leftovers the XLAs of jax 0.10.2 and
+  0.12 both give 1.0002x or less.
   """
   ours, _ = _extra_memory_ratio(
     "adam", dtype, 4, apply=optax_accum.apply_updates
   )
   theirs, _ = _extra_memory_ratio("adam", dtype, 4)
-  if not _versions.jax_at_least("0.12"):
-    pytest.xfail(f"an XLA older than jax 0.12's: {ours:.3f}x")
   assert ours <= EXTRA_MEMORY_MARGIN, ours
   assert ours <= theirs + 0.01, (ours, theirs)
 
 
 def test_extra_memory_with_xla_memory_scheduler():
-  """The cases left to XLA's scheduler above meet the target without it
-  (on jax 0.12 one of them only as far as the default scheduler does: see
-  the margins).
+  """The cases left to XLA's scheduler above meet the target without it.
 
   XLA flags are read once per process, so this compiles in a subprocess.
   """
@@ -297,22 +291,10 @@ def test_extra_memory_with_xla_memory_scheduler():
   margins = {
     f"{o}-{d}-k{k}": EXTRA_MEMORY_MARGIN for o, d, k in SCHEDULER_BOUND
   }
-  # These margins were set while the CPU form returned the accumulator to
-  # zeros at every call with a select; it now leaves leftovers (`_close` in
-  # optax_accum/_accumulate.py), and the margins still hold (not
-  # re-measured to the digit). Then: the select, placed by this
-  # scheduler before a read of the updates it overwrites, for one leaf:
-  # 1.096x measured (1.0001x in 0.1, which left the updates in the buffer).
-  # XLA:CPU of jax 0.12 compiles accumulate's step to the same 14,173,233
-  # bytes and the plain step 116 KiB smaller (its temporaries 3,149,824
-  # against 3,268,608 bytes, the small activations packed tighter): 1.124x.
-  # And with the select ordered after the params' conditional (a barrier,
-  # since removed), jax 0.12's
-  # scheduler places it before the reads for two leaves: 1.374x, what the
-  # default scheduler gives (the XLA of jax 0.10.2: 1.096x, unchanged).
-  margins["clip_adamw-bf16-k4"] = (
-    1.38 if _versions.jax_at_least("0.12") else 1.10
-  )
+  # While the CPU form returned the accumulator to zeros with a select at
+  # every call, this scheduler placed the select before a read of the
+  # updates it overwrote: up to 1.374x for bf16 clip_adamw (jax 0.12). It
+  # now leaves them as leftovers: 0.999x (jax 0.12.0.1), 1.0001x (0.10.2).
   assert ratios.keys() == margins.keys(), ratios
   assert all(ratios[c] <= margins[c] for c in ratios), ratios
 
