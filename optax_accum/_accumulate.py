@@ -286,7 +286,16 @@ class Local:
   ``axis_name``): plain ``jnp``, nothing to agree on or reduce.
 
   The engines of ``_engines.py`` (``ShardMap``, ``Unreduced``) override
-  these methods where sums cross devices.
+  these methods where sums cross devices, and add what only a call with
+  ``axis_name`` asks for:
+
+  * ``reduce(acc, scalars, *, per_leaf, specs) -> (acc, scalars)``: the
+    cycle's sums over the devices (:func:`_reduce`);
+  * ``reduced_specs(acc, params)``: where the reduced sum is laid out, or
+    None where its type has no layout (:func:`_inner_types`);
+  * ``shares_buffer(acc)``: whether the updates may be written into the
+    accumulator's own buffer, as far as the devices go
+    (:func:`_shares_buffer`).
   """
 
   axis_name: Hashable | None = None
@@ -337,25 +346,6 @@ class Local:
     """`flag` the same on every device of the step (here: itself)."""
     del reduce
     return flag
-
-  def reduce(
-    self, acc: Any, scalars: tuple, *, per_leaf: bool, specs: Any
-  ) -> tuple[Any, tuple]:
-    """The cycle's sums over the devices: `acc` and a few float32
-    `scalars` (its weight, the noise-scale sums). Here: as they are."""
-    del per_leaf, specs
-    return acc, scalars
-
-  def reduced_specs(self, acc: Any, params: Any) -> Any:
-    """Where the reduced sum is laid out (None: no layout in the type)."""
-    del acc, params
-    return None
-
-  def shares_buffer(self, acc: Any) -> bool:
-    """Whether the updates may be written into the accumulator's own
-    buffer, as far as the devices go (see :func:`_shares_buffer`)."""
-    del acc
-    return True
 
   def cleared(self, cycle_ends: jax.Array, acc: Any, total: Any) -> Any:
     """Zeros in place of the accumulator `acc` where `cycle_ends`, once
@@ -511,9 +501,7 @@ def _update(
 ) -> tuple[optax.Updates, AccumulateState]:
   # 1. The arguments, checked; the engine for this trace.
   _checks.state(state, config.track_noise_scale)
-  _checks.state_fits(updates, params, state.acc_grads)
-  _checks.grads_match(updates, state.acc_grads)
-  _checks.params_match(params, state.acc_grads)
+  _checks.trees(updates, params, state.acc_grads)
   if config.axis_name is None:
     _checks.not_unreduced(updates)
     engine = LOCAL
@@ -530,7 +518,14 @@ def _update(
     measures_noise=engine.measures_noise,
   )
   inner = config.inner(state.every_k)
-  if _is_inner_alone(config, call):
+  if (
+    config.every_k.fixed == 1
+    and call.emit is None
+    and call.weight is None
+    and not call.may_flush
+    and not config.skip_nonfinite
+    and config.axis_name is None
+  ):  # k = 1 without weights, flush, skips, axis or `emit`: `inner` alone.
     return _inner_alone(inner, updates, state, params, extra_args)
   if not (engine.runs_eagerly or _checks.is_traced(updates)):
     options = dict(
@@ -542,7 +537,7 @@ def _update(
 
   # 2. Add the micro-batch into the cycle.
   cycle, accepted = _add(config, engine, state, updates, call, params)
-  inner = _inner_types(engine, inner, extra_args, updates, cycle)
+  inner = _inner_types(config, engine, inner, extra_args, updates, cycle)
 
   # 3. End the call: the device decides (traced), or the caller did (emit=).
   if call.emit is None:
@@ -556,18 +551,6 @@ def _update(
   known = result.updated if call.emit is None else call.emit
   _apply.remember(result.updates, known, params, result.new_params)
   return result.updates, _next_state(config, state, accepted, cycle, result)
-
-
-def _is_inner_alone(config: Config, call: _checks.Call) -> bool:
-  """k = 1 without weights, flush, skips, axis or `emit`: `inner` alone."""
-  return (
-    config.every_k.fixed == 1
-    and call.emit is None
-    and call.weight is None
-    and not call.may_flush
-    and not config.skip_nonfinite
-    and config.axis_name is None
-  )
 
 
 def _inner_alone(inner, grads, state, params, extra_args):
@@ -643,7 +626,11 @@ def _add(
     weight=cycle_weight + jnp.where(accepted, weight, 0.0),
     micro_step=micro_step,
     ends=(micro_step >= state.every_k) | flush,
-    noise=_add_noise(config, engine, state, grads, weight, accepted, call),
+    noise=(
+      _add_noise(config, engine, state, grads, weight, accepted, call)
+      if config.track_noise_scale
+      else state.noise
+    ),
     inner_state=state.inner_state,
     params=params,
   )
@@ -695,9 +682,7 @@ def _add_noise(
   call: _checks.Call,
 ) -> Any:
   """The noise-scale sums with this micro-batch: measured here, or by the
-  gradient helper (`noise_stats`, Unreduced). Untracked: as they were."""
-  if not isinstance(state.noise, NoiseScaleState):
-    return state.noise
+  gradient helper (`noise_stats`, Unreduced)."""
   fresh = state.micro_step == 0
   if call.noise_stats is not None:
     return _noise_scale.add_stats(
@@ -715,6 +700,7 @@ def _add_noise(
 
 
 def _inner_types(
+  config: Config,
   engine: Local,
   tx: optax.GradientTransformationExtraArgs,
   extra_args: dict,
@@ -724,8 +710,12 @@ def _inner_types(
   """The inner optimizer of this trace, and the types it takes and
   returns."""
   params = cycle.params
-  gradient_params = None if params is None else _checks.gradient_params(params)
-  specs = engine.reduced_specs(cycle.acc, gradient_params)
+  specs = None
+  if config.axis_name is not None:
+    gradient_params = (
+      None if params is None else _checks.gradient_params(params)
+    )
+    specs = engine.reduced_specs(cycle.acc, gradient_params)
   if specs is None:
     grad_types = jax.tree.map(
       lambda g: jax.ShapeDtypeStruct(jnp.shape(g), jnp.result_type(g)), grads
@@ -762,7 +752,7 @@ def _decide_on_device(
   varies over devices) they get buffers of their own and the updating
   branch zeroes the accumulator and applies them itself.
   """
-  shares = _shares_buffer(engine, inner, cycle.acc)
+  shares = _shares_buffer(config, engine, inner, cycle.acc)
   enter = cycle.ends
   if shares and engine.global_weight:
     # A weightless cycle skips the branch (a NaN total still enters, so
@@ -895,10 +885,12 @@ def _keep_cycle_open(inner: Inner, cycle: Cycle) -> Result:
   )
 
 
-def _shares_buffer(engine: Local, inner: Inner, acc: Any) -> bool:
+def _shares_buffer(
+  config: Config, engine: Local, inner: Inner, acc: Any
+) -> bool:
   """Whether the updates can be written into the accumulator's buffer:
-  the same tree and shapes, dtypes the accumulator holds exactly, and an
-  engine whose accumulator has the updates' type."""
+  the same tree and shapes, dtypes the accumulator holds exactly, and (with
+  ``axis_name``) an engine whose accumulator has the updates' type."""
   update_types = inner.update_types
   fits = jax.tree.structure(update_types) == jax.tree.structure(acc) and all(
     u.shape == a.shape and _holds_exactly(a.dtype, u.dtype)
@@ -906,7 +898,7 @@ def _shares_buffer(engine: Local, inner: Inner, acc: Any) -> bool:
       jax.tree.leaves(update_types), jax.tree.leaves(acc), strict=True
     )
   )
-  return fits and engine.shares_buffer(acc)
+  return fits and (config.axis_name is None or engine.shares_buffer(acc))
 
 
 def _holds_exactly(wide: Any, narrow: Any) -> bool:
@@ -967,9 +959,11 @@ def _run_inner_on_mean(
     apply: also apply the updates to the params (when given), next to
       `inner` (not with `static`).
   """
-  total, weight, noise = _reduce(
-    config, engine, inner, cycle.acc, cycle.weight, cycle.noise, static
-  )
+  total, weight, noise = cycle.acc, cycle.weight, cycle.noise
+  if config.axis_name is not None:  # The sums over the devices.
+    total, weight, noise = _reduce(
+      config, engine, inner, total, weight, noise, static
+    )
   inv_weight = _inverse_weight(weight)
   if isinstance(noise, NoiseScaleState):
     if mean_sq is None:  # The global mean, known only after the reduction.
@@ -1036,10 +1030,12 @@ def _mean_sq_norm(acc: Any, total_weight: jax.Array) -> jax.Array:
   return _noise_scale.sq_norm(acc, _inverse_weight(total_weight))
 
 
-def _mean_gradient(config, inner: Inner, acc: Any, inv_weight: jax.Array):
-  """The gradient handed to `inner`, in the gradients' own dtypes."""
+def _run_inner(config, inner, apply, updated, total, inv_weight, state, params):
+  """`inner` on the cycle's mean gradient, computed here so that it fuses
+  into the inner's kernels; with `apply`, the params updated too."""
+  del updated
 
-  def mean_leaf(a, g):
+  def mean_leaf(a, g):  # in the gradient's own dtype
     a = a.astype(compute_dtype(a.dtype))
     if config.reduction == "mean":
       a = _control.times_inverse(a, inv_weight)
@@ -1047,14 +1043,7 @@ def _mean_gradient(config, inner: Inner, acc: Any, inv_weight: jax.Array):
 
   # `grad_types` holds shapes only: closing over the gradient arrays would
   # make them operands of the conditional and materialise them.
-  return jax.tree.map(mean_leaf, acc, inner.grad_types)
-
-
-def _run_inner(config, inner, apply, updated, total, inv_weight, state, params):
-  """`inner` on the cycle's mean gradient, computed here so that it fuses
-  into the inner's kernels; with `apply`, the params updated too."""
-  del updated
-  grad = _mean_gradient(config, inner, total, inv_weight)
+  grad = jax.tree.map(mean_leaf, total, inner.grad_types)
   updates, state = inner.tx.update(grad, state, params, **inner.extra_args)
   if apply:
     params = optax.apply_updates(params, updates)

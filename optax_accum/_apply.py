@@ -62,14 +62,6 @@ class _Record(NamedTuple):
 _RECORDS: dict[int, _Record] = {}
 
 
-def _is_tracer(x: Any) -> bool:
-  return isinstance(x, jax.core.Tracer)
-
-
-def _refs(tree: Any) -> tuple:
-  return tuple(weakref.ref(x) for x in jax.tree.leaves(tree))
-
-
 def _same(refs: tuple, tree: Any) -> bool:
   leaves = jax.tree.leaves(tree)
   return len(refs) == len(leaves) and all(
@@ -91,10 +83,12 @@ def remember(
     new_params: `params` with `updates` applied, as the call computed them.
   """
   leaves = jax.tree.leaves(updates)
-  if not leaves or not all(map(_is_tracer, leaves)):
+  if not leaves or not all(isinstance(x, jax.core.Tracer) for x in leaves):
     return False  # Eager: nothing runs that could be skipped.
   key = id(leaves[0])
-  _RECORDS[key] = _Record(_refs(updates), emitted, _refs(params), new_params)
+  refs = tuple(map(weakref.ref, leaves))
+  param_refs = tuple(map(weakref.ref, jax.tree.leaves(params)))
+  _RECORDS[key] = _Record(refs, emitted, param_refs, new_params)
   weakref.finalize(leaves[0], _RECORDS.pop, key, None)
   return True
 
@@ -188,6 +182,6 @@ def _route(record: _Record | None, params: Any, emitted: jax.Array) -> str:
     and _same(record.params, params)
   ):
     return "applied"
-  if not _is_tracer(emitted):
+  if not isinstance(emitted, jax.core.Tracer):
     return "eager"
   return "fallback"

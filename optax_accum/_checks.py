@@ -238,19 +238,98 @@ def update_call(
 ) -> Call:
   """Checks an ``update``'s options, given ``accumulate``'s
   `skip_nonfinite`, `track_noise_scale` and `axis_name`, and whether the
-  engine measures each gradient's norm itself (`measures_noise`).
+  engine measures each gradient's norm itself (`measures_noise`); raises
+  naming the option.
 
   Called before any ``jit`` of the update, so that concrete values are
   seen.
   """
+  # weight: a float32[]. A concrete negative weight raises, and so does a
+  # concrete NaN or Inf unless `skip_nonfinite` (which drops that
+  # micro-batch); a traced one is used as given.
+  if weight is not None:
+    weight = real_scalar(
+      weight, "`weight` must be", " (one value per micro-batch)"
+    )
+    if not isinstance(weight, jax.core.Tracer):
+      value = np.asarray(weight)
+      if value < 0:
+        raise ValueError(f"`weight` must be >= 0, got {value}.")
+      if not (np.isfinite(value) or skip_nonfinite):
+        raise ValueError(
+          f"`weight` must be finite, got {value}: the cycle's mean would be"
+          " NaN. Build accumulate with `skip_nonfinite=True` to drop such"
+          " micro-batches instead."
+        )
+    weight = weight.astype(jnp.float32)
+
+  # flush: a bool[].
+  try:
+    is_bool_scalar = not (flush is None or isinstance(flush, str | bytes)) and (
+      jnp.result_type(flush) == jnp.bool_ and jnp.ndim(flush) == 0
+    )
+  except (TypeError, ValueError):  # a list, an arbitrary object
+    is_bool_scalar = False
+  if not is_bool_scalar:
+    raise TypeError(
+      "`flush` must be a boolean scalar (True ends the cycle at this call),"
+      f" got {flush!r} of type {type(flush).__name__}."
+    )
+
+  # emit: None or a Python bool, without flush.
+  if emit is not None:
+    if not isinstance(emit, bool | np.bool_):
+      raise TypeError(
+        "`emit` must be None (the counter decides on the device) or a"
+        " Python bool known when the step is traced, e.g. `jax.jit(step,"
+        f" static_argnames='emit')`; got {emit!r} of type"
+        f" {type(emit).__name__}."
+      )
+    if flush is not False:
+      raise ValueError(
+        "`flush` cannot be combined with `emit`: a call with `emit=True`"
+        " already ends the cycle, whatever its length. Pass `emit=True`"
+        f" instead of `flush`; got flush={flush!r} with emit={emit!r}."
+      )
+    emit = bool(emit)
+
+  # noise_stats: where the engine needs them, and only there.
+  if noise_stats is None:
+    if track_noise_scale and not measures_noise:
+      raise ValueError(
+        "`noise_stats` must be given with `track_noise_scale=True` and"
+        f" gradients unreduced over {axis_name!r} under plain"
+        " `jax.jit`: the unreduced gradient hides each device's own"
+        " gradient and token count. Make the gradients with"
+        " `optax_accum.distributed.local_value_and_grad(...,"
+        " noise_stats=True)` and pass its stats as `update(...,"
+        " noise_stats=stats)`."
+      )
+  elif not track_noise_scale:
+    raise ValueError(
+      "`noise_stats` was given, but this accumulate was built with"
+      " `track_noise_scale=False`: build it with `track_noise_scale=True`"
+      " or leave the argument out."
+    )
+  elif measures_noise:
+    raise ValueError(
+      "`noise_stats` is only for gradients unreduced over `axis_name` under"
+      " plain `jax.jit`; here accumulate measures each gradient itself:"
+      " leave the argument out."
+    )
+  elif not isinstance(noise_stats, NoiseStats):
+    raise TypeError(
+      "`noise_stats` must be the optax_accum.distributed.NoiseStats"
+      " returned by `local_value_and_grad(..., noise_stats=True)`, got"
+      f" {type(noise_stats).__name__}."
+    )
+
   return Call(
-    weight=None if weight is None else _weight(weight, skip_nonfinite),
-    flush=_flush(flush),
+    weight=weight,
+    flush=jnp.asarray(flush),
     may_flush=flush is not False,
-    emit=_emit(emit, flush),
-    noise_stats=_noise_stats(
-      noise_stats, track_noise_scale, axis_name, measures_noise
-    ),
+    emit=emit,
+    noise_stats=noise_stats,
   )
 
 
@@ -342,31 +421,24 @@ def tree_matches(name: str, tree: Any, acc_grads: Any) -> list:
   return leaves
 
 
-def _dtype_of(x: Any) -> Any:
-  # `.dtype` first: jax.grad's float0 zeros are NumPy arrays JAX cannot read.
-  return np.dtype(x.dtype) if hasattr(x, "dtype") else jnp.result_type(x)
-
-
-def state_fits(grads: Any, params: Any, acc_grads: Any) -> None:
-  """Raises naming `state` when the gradients and the params agree with
-  each other but not with the state (made by init for other params)."""
-  if params is None:
-    return
+def trees(grads: Any, params: Any, acc_grads: Any) -> None:
+  """Raises naming the argument whose tree, shapes or dtypes do not fit the
+  state's accumulator (made by ``init`` from the params): `state` when the
+  gradients and the params agree with each other but not with it, else
+  `updates` or `params`, at the first leaf that differs."""
   tree = jax.tree.structure(grads)
-  if tree == jax.tree.structure(acc_grads):
-    return
-  if jax.tree.structure(gradient_params(params)) != tree:
-    return  # Not the state's fault alone: grads_match names `updates`.
-  raise ValueError(
-    "`state` was made by init for params of another tree: its accumulator"
-    f" has the structure {jax.tree.structure(acc_grads)}, but `updates` and"
-    f" `params` both have {tree}. Pass the state that this model's params"
-    " were given to `init` (a restored checkpoint of another model?)."
-  )
-
-
-def grads_match(grads: Any, acc_grads: Any) -> None:
-  """Raises naming the first leaf where the trees, shapes or kinds differ."""
+  if (
+    params is not None
+    and tree != jax.tree.structure(acc_grads)
+    and tree == jax.tree.structure(gradient_params(params))
+  ):
+    raise ValueError(
+      "`state` was made by init for params of another tree: its accumulator"
+      f" has the structure {jax.tree.structure(acc_grads)}, but `updates`"
+      f" and `params` both have {tree}. Pass the state that this model's"
+      " params were given to `init` (a restored checkpoint of another"
+      " model?)."
+    )
   for where, g, a in tree_matches("updates", grads, acc_grads):
     if jnp.iscomplexobj(g) and not jnp.iscomplexobj(a):
       raise TypeError(
@@ -375,7 +447,9 @@ def grads_match(grads: Any, acc_grads: Any) -> None:
         " be lost. Take real gradients, or make those params complex."
       )
     # Python ints too: the mean would be emitted in their dtype, truncated.
-    dtype = _dtype_of(g)
+    # `.dtype` first: jax.grad's float0 zeros are NumPy arrays JAX cannot
+    # read.
+    dtype = np.dtype(g.dtype) if hasattr(g, "dtype") else jnp.result_type(g)
     if jnp.issubdtype(a.dtype, jnp.inexact) and not jnp.issubdtype(
       dtype, jnp.inexact
     ):
@@ -386,6 +460,9 @@ def grads_match(grads: Any, acc_grads: Any) -> None:
         " (a mask, labels, a count); to accumulate such values on purpose,"
         " cast them first, e.g. `g.astype(jnp.float32)`."
       )
+  # The inner optimizer reads the params, and apply_updates adds to them.
+  if params is not None:
+    tree_matches("params", gradient_params(params), acc_grads)
 
 
 def gradient_params(params: Any) -> Any:
@@ -397,13 +474,6 @@ def gradient_params(params: Any) -> Any:
   if isinstance(params, optax.LookaheadParams):
     return params.fast
   return params
-
-
-def params_match(params: Any, acc_grads: Any) -> None:
-  """Raises naming `params` where they are not the params given to `init`
-  (the inner optimizer reads them, and apply_updates adds to them)."""
-  if params is not None:
-    tree_matches("params", gradient_params(params), acc_grads)
 
 
 def not_unreduced(grads: Any) -> None:
@@ -436,100 +506,6 @@ def unreduced_axes(x: Any) -> tuple:
   Works on arrays, tracers under ``jit`` and ``jax.ShapeDtypeStruct``.
   """
   return tuple(sorted(getattr(spec_of(x), "unreduced", ())))
-
-
-def _weight(weight: Any, skip_nonfinite: bool) -> jax.Array:
-  """`weight` as a float32[]; raises naming it. A concrete negative weight
-  raises, and so does a concrete NaN or Inf unless `skip_nonfinite` (which
-  drops that micro-batch); a traced one is used as given."""
-  w = real_scalar(weight, "`weight` must be", " (one value per micro-batch)")
-  if not isinstance(w, jax.core.Tracer):
-    value = np.asarray(w)
-    if value < 0:
-      raise ValueError(f"`weight` must be >= 0, got {value}.")
-    if not (np.isfinite(value) or skip_nonfinite):
-      raise ValueError(
-        f"`weight` must be finite, got {value}: the cycle's mean would be"
-        " NaN. Build accumulate with `skip_nonfinite=True` to drop such"
-        " micro-batches instead."
-      )
-  return w.astype(jnp.float32)
-
-
-def _flush(flush: Any) -> jax.Array:
-  """`flush` as a bool[]; raises naming it."""
-  try:
-    is_bool_scalar = not (flush is None or isinstance(flush, str | bytes)) and (
-      jnp.result_type(flush) == jnp.bool_ and jnp.ndim(flush) == 0
-    )
-  except (TypeError, ValueError):  # a list, an arbitrary object
-    is_bool_scalar = False
-  if not is_bool_scalar:
-    raise TypeError(
-      "`flush` must be a boolean scalar (True ends the cycle at this call),"
-      f" got {flush!r} of type {type(flush).__name__}."
-    )
-  return jnp.asarray(flush)
-
-
-def _emit(emit: Any, flush: Any) -> bool | None:
-  """`emit` as None or a Python bool; raises naming it."""
-  if emit is None:
-    return None
-  if not isinstance(emit, bool | np.bool_):
-    raise TypeError(
-      "`emit` must be None (the counter decides on the device) or a Python"
-      " bool known when the step is traced, e.g. `jax.jit(step,"
-      f" static_argnames='emit')`; got {emit!r} of type"
-      f" {type(emit).__name__}."
-    )
-  if flush is not False:
-    raise ValueError(
-      "`flush` cannot be combined with `emit`: a call with `emit=True`"
-      " already ends the cycle, whatever its length. Pass `emit=True`"
-      f" instead of `flush`; got flush={flush!r} with emit={emit!r}."
-    )
-  return bool(emit)
-
-
-def _noise_stats(
-  noise_stats: Any,
-  track_noise_scale: bool,
-  axis_name: Hashable | None,
-  measures_noise: bool,
-) -> Any:
-  """`noise_stats` where the engine needs them; raises naming them."""
-  if noise_stats is None:
-    if track_noise_scale and not measures_noise:
-      raise ValueError(
-        "`noise_stats` must be given with `track_noise_scale=True` and"
-        f" gradients unreduced over {axis_name!r} under plain"
-        " `jax.jit`: the unreduced gradient hides each device's own"
-        " gradient and token count. Make the gradients with"
-        " `optax_accum.distributed.local_value_and_grad(...,"
-        " noise_stats=True)` and pass its stats as `update(...,"
-        " noise_stats=stats)`."
-      )
-    return None
-  if not track_noise_scale:
-    raise ValueError(
-      "`noise_stats` was given, but this accumulate was built with"
-      " `track_noise_scale=False`: build it with `track_noise_scale=True`"
-      " or leave the argument out."
-    )
-  if measures_noise:
-    raise ValueError(
-      "`noise_stats` is only for gradients unreduced over `axis_name` under"
-      " plain `jax.jit`; here accumulate measures each gradient itself:"
-      " leave the argument out."
-    )
-  if not isinstance(noise_stats, NoiseStats):
-    raise TypeError(
-      "`noise_stats` must be the optax_accum.distributed.NoiseStats"
-      " returned by `local_value_and_grad(..., noise_stats=True)`, got"
-      f" {type(noise_stats).__name__}."
-    )
-  return noise_stats
 
 
 # ----------------------------------------------------------------------------

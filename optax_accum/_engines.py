@@ -53,6 +53,10 @@ class ShardMap(Local):
     )
     return jax.tree.unflatten(treedef, leaves), scalars
 
+  def reduced_specs(self, acc, params):
+    del acc, params  # The sum's type has no layout in shard_map.
+    return None
+
   def shares_buffer(self, acc):
     # Not with check_vma=True: the accumulator varies over the axis while
     # the updates, summed over it, do not, and one buffer cannot hold both
