@@ -76,21 +76,29 @@ lint: $(STAMP)
 # Two workers: the CI machine has 2 cores and the suite is mostly
 # single-threaded compiles. loadscope keeps a module's tests (and its
 # module-scoped fixtures, e.g. the multi-process run) on one worker; the
-# longest modules go out first (tests/conftest.py). Each worker compiles
+# longest modules go out first (tests/conftest.py's order: without
+# --no-loadscope-reorder xdist hands out the modules with the most tests
+# first instead). Each worker compiles
 # for the H100 and the TPU in one compile server of its own
 # (tests/_accel_server.py), whatever modules it gets.
 PYTEST_WORKERS ?= 2
 
 # Then the core on Python 3.11 (test-py311) and on the oldest supported
 # stack (test-oldest), both below, with two workers too. From a fresh clone
-# on the quiet 2-core box (`CI=true make test`, two runs: 18 and 20 min in
-# all): the main suite 804-891 s, test-py311 102-119 s and test-oldest
-# 86-90 s to run, each with an empty compilation cache; the installs, lint
-# and docs about 75 s together.
+# on the quiet 2-core box (`CI=true bash .ci/run`, 2026-11-27, jax
+# 0.12.0.1): 17 min 12 s in all; the main suite 770 s, test-py311 110 s
+# and test-oldest 72 s to run, each with an empty compilation cache; the
+# installs, lint and docs about 80 s together. The main suite is bound by
+# its CPU work, not by how it is spread over the workers: about 1,380 CPU s
+# on 2 cores, of which 613 s XLA:CPU compiles (3,146 programs compiled,
+# 3,485 more read back from the run's cache), 236 s the accelerator compile
+# servers (197 programs) and 241 s subprocesses (examples, benchmark
+# smokes); balanced over the workers (no reorder: 697 and 680 CPU s) it
+# ran in 762 s.
 # Where the time goes: tools/suite_stats.py.
 # The site first (docs, below: about 15 s; measured on 2 shared cores).
 test: python-note $(STAMP) $(ACCEL_STAMP) lint docs
-	OPTAX_ACCUM_ACCEL=$(abspath $(ACCEL)) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope --durations=30
+	OPTAX_ACCUM_ACCEL=$(abspath $(ACCEL)) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=30
 	$(MAKE) --no-print-directory test-py311
 	$(MAKE) --no-print-directory test-oldest python-note
 

@@ -129,8 +129,10 @@ for _name in (
 
 # The longest modules first (a run's `--durations`, summed per module):
 # `make test`'s workers take modules in collection order (`--dist
-# loadscope`), and one started last would run alone at the end while the
-# other core idles.
+# loadscope --no-loadscope-reorder`: xdist's default hands out the modules
+# with the most tests first, which put every accelerator module at the
+# end), and one started last would run alone at the end while the other
+# core idles.
 LONGEST_FIRST = (
   "test_accelerators.py",
   "test_plan.py",
