@@ -45,8 +45,11 @@ by name live in ``_control.py``, each with the behaviour it defeats.
 plain ``jnp`` (:class:`Local`). With it, an engine of ``_engines.py``
 (chosen once per trace) says how the sums cross devices: ``ShardMap`` where
 the axis is bound, ``Unreduced`` for gradients typed unreduced under plain
-``jit``. The steps call the engine's methods; only ``init`` and the start
-of ``update`` ask which engine they have.
+``jit``. The steps call the engine's methods; ``init`` and the start of
+``update`` choose the engine, and three steps ask ``axis_name`` whether
+the sums cross devices at all (the reduction, the reduced sum's layout,
+whether the updates may share the accumulator's buffer), so that a call
+without it calls only :class:`Local`'s methods.
 """
 
 import dataclasses

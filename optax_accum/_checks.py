@@ -275,6 +275,7 @@ def update_call(
       "`flush` must be a boolean scalar (True ends the cycle at this call),"
       f" got {flush!r} of type {type(flush).__name__}."
     )
+  flush_array = jnp.asarray(flush)
 
   # emit: None or a Python bool, without flush.
   if emit is not None:
@@ -326,7 +327,7 @@ def update_call(
 
   return Call(
     weight=weight,
-    flush=jnp.asarray(flush),
+    flush=flush_array,
     may_flush=flush is not False,
     emit=emit,
     noise_stats=noise_stats,

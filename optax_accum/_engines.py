@@ -3,7 +3,9 @@
 Without ``axis_name`` a call never comes here: :class:`optax_accum._accumulate.Local`
 makes one device's sums with plain ``jnp``. With it, the engine is chosen
 where ``init`` and ``update`` are traced (:func:`for_init`,
-:func:`for_update`), once per trace, and overrides ``Local``'s methods:
+:func:`for_update`), once per trace; it overrides ``Local``'s methods and
+adds those only a call with ``axis_name`` asks for (``reduce``,
+``reduced_specs``, ``shares_buffer``):
 
 * :class:`ShardMap`: ``axis_name`` is bound (inside ``jax.shard_map``,
   ``pmap`` or a named ``vmap``). Each device's accumulator is its own
