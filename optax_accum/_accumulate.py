@@ -540,7 +540,7 @@ def _update(
 
   # 2. Add the micro-batch into the cycle.
   cycle, accepted = _add(config, engine, state, updates, call, params)
-  inner = _inner_types(config, engine, inner, extra_args, updates, cycle)
+  inner = _inner_types(engine, inner, extra_args, updates, cycle)
 
   # 3. End the call: the device decides (traced), or the caller did (emit=).
   if call.emit is None:
@@ -703,7 +703,6 @@ def _add_noise(
 
 
 def _inner_types(
-  config: Config,
   engine: Local,
   tx: optax.GradientTransformationExtraArgs,
   extra_args: dict,
@@ -714,7 +713,7 @@ def _inner_types(
   returns."""
   params = cycle.params
   specs = None
-  if config.axis_name is not None:
+  if engine.axis_name is not None:
     gradient_params = (
       None if params is None else _checks.gradient_params(params)
     )
@@ -755,7 +754,7 @@ def _decide_on_device(
   varies over devices) they get buffers of their own and the updating
   branch zeroes the accumulator and applies them itself.
   """
-  shares = _shares_buffer(config, engine, inner, cycle.acc)
+  shares = _shares_buffer(engine, inner, cycle.acc)
   enter = cycle.ends
   if shares and engine.global_weight:
     # A weightless cycle skips the branch (a NaN total still enters, so
@@ -888,9 +887,7 @@ def _keep_cycle_open(inner: Inner, cycle: Cycle) -> Result:
   )
 
 
-def _shares_buffer(
-  config: Config, engine: Local, inner: Inner, acc: Any
-) -> bool:
+def _shares_buffer(engine: Local, inner: Inner, acc: Any) -> bool:
   """Whether the updates can be written into the accumulator's buffer:
   the same tree and shapes, dtypes the accumulator holds exactly, and (with
   ``axis_name``) an engine whose accumulator has the updates' type."""
@@ -901,7 +898,7 @@ def _shares_buffer(
       jax.tree.leaves(update_types), jax.tree.leaves(acc), strict=True
     )
   )
-  return fits and (config.axis_name is None or engine.shares_buffer(acc))
+  return fits and (engine.axis_name is None or engine.shares_buffer(acc))
 
 
 def _holds_exactly(wide: Any, narrow: Any) -> bool:
@@ -963,7 +960,7 @@ def _run_inner_on_mean(
       `inner` (not with `static`).
   """
   total, weight, noise = cycle.acc, cycle.weight, cycle.noise
-  if config.axis_name is not None:  # The sums over the devices.
+  if engine.axis_name is not None:  # The sums over the devices.
     total, weight, noise = _reduce(
       config, engine, inner, total, weight, noise, static
     )

@@ -428,10 +428,11 @@ def trees(grads: Any, params: Any, acc_grads: Any) -> None:
   gradients and the params agree with each other but not with it, else
   `updates` or `params`, at the first leaf that differs."""
   tree = jax.tree.structure(grads)
+  grad_params = None if params is None else gradient_params(params)
   if (
-    params is not None
+    grad_params is not None
     and tree != jax.tree.structure(acc_grads)
-    and tree == jax.tree.structure(gradient_params(params))
+    and tree == jax.tree.structure(grad_params)
   ):
     raise ValueError(
       "`state` was made by init for params of another tree: its accumulator"
@@ -462,8 +463,8 @@ def trees(grads: Any, params: Any, acc_grads: Any) -> None:
         " cast them first, e.g. `g.astype(jnp.float32)`."
       )
   # The inner optimizer reads the params, and apply_updates adds to them.
-  if params is not None:
-    tree_matches("params", gradient_params(params), acc_grads)
+  if grad_params is not None:
+    tree_matches("params", grad_params, acc_grads)
 
 
 def gradient_params(params: Any) -> Any:

@@ -7,13 +7,12 @@ marked by the cycle's weight at micro_step 0, which the next call does not
 read (a select fused into its add); the GPU/TPU form zeroes the accumulator
 in place (weight 0), and throws a CPU program's leftovers away with their
 cycle. Both mean the same state. This machine runs only the CPU form, so
-these tests pin
-``_accumulate._per_backend`` to each form in turn and run both on CPU: the same
-updates and params, bit for bit, states that mean the same, and a state
-saved by one form resumes in the other as if nothing had changed. Leftovers
-(the CPU form's, or those optax_accum 0.1 left on CPU) are never read; the
-GPU/TPU form throws them away with their cycle: one cycle without an update,
-never a wrong one.
+these tests pin ``_accumulate._per_backend`` to each form in turn and run
+both on CPU: the same updates and params, bit for bit, states that mean the
+same, and a state saved by one form resumes in the other as if nothing had
+changed. Leftovers (the CPU form's, or those optax_accum 0.1 left on CPU)
+are never read; the GPU/TPU form throws them away with their cycle: one
+cycle without an update, never a wrong one.
 """
 
 import _common
