@@ -9,6 +9,7 @@ The top level holds what a train step uses; the rest sits in namespaces:
 * :mod:`optax_accum.flax`: drop-ins for ``nnx.Optimizer`` and linen's
   ``TrainState`` (imports flax when used);
 * :mod:`optax_accum.multisteps`: coming from ``optax.MultiSteps``;
+* :mod:`optax_accum.upgrade`: checkpoints of earlier versions;
 * :mod:`optax_accum.types`: the state records;
 * :mod:`optax_accum.targets`: accelerators to compile for without one.
 
@@ -41,7 +42,7 @@ from optax_accum._state import has_updated as has_updated
 from optax_accum._state import inner_state as inner_state
 from optax_accum._state import weight_seen as weight_seen
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = (
   "AccumulateState",
@@ -61,7 +62,8 @@ __all__ = (
 )
 
 # Names that were top-level in 0.1 and now live in a namespace: they keep
-# working, with a DeprecationWarning, until 0.3.
+# working, with a DeprecationWarning, until 0.4 (0.3 changed the state
+# layout; one breaking change a release).
 _MOVED = {
   "Collective": "optax_accum.inspect",
   "assert_reduction_deferred": "optax_accum.inspect",
@@ -88,6 +90,7 @@ _NAMESPACES = (
   "multisteps",
   "targets",
   "types",
+  "upgrade",
 )
 
 
@@ -99,7 +102,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'optax_accum' has no attribute '{name}'")
   warnings.warn(
     f"`optax_accum.{name}` moved to `{module}.{name}` in 0.2; the old name"
-    " will be removed in 0.3.",
+    " will be removed in 0.4.",
     DeprecationWarning,
     stacklevel=2,
   )

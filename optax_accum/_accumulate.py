@@ -429,20 +429,23 @@ def _init(config: Config, params: optax.Params) -> AccumulateState:
   every_k = _every_k.first(config.every_k)
   # Separate calls: every leaf is its own buffer, so the whole state can be
   # donated to jit.
-  return AccumulateState(
-    micro_step=jnp.zeros([], jnp.int32),
-    step=jnp.zeros([], jnp.int32),
+  scalars = _state_lib.pack(
+    micro_step=0,
+    step=0,
     every_k=every_k,
-    acc_grads=jax.tree.map(zeros, _checks.gradient_params(params)),
-    acc_weight=jnp.zeros([], jnp.float32),
+    num_skipped=0,
+    emitted=False,
     weight_seen=jnp.zeros([2], jnp.float32),
-    inner_state=config.inner(every_k).init(params),
-    num_skipped=jnp.zeros([], jnp.int32),
-    emitted=jnp.zeros([], jnp.bool_),
+    acc_weight=jnp.zeros([], jnp.float32),
     noise=(
       _noise_scale.init() if config.track_noise_scale else optax.EmptyState()
     ),
     grow=_every_k.init_grow(config.every_k),
+  )
+  return AccumulateState(
+    acc_grads=jax.tree.map(zeros, _checks.gradient_params(params)),
+    inner_state=config.inner(every_k).init(params),
+    **scalars,
   )
 
 
@@ -561,7 +564,7 @@ def _inner_alone(inner, grads, state, params, extra_args):
   updates, inner_state = inner.update(
     grads, state.inner_state, params, **extra_args
   )
-  return updates, state._replace(
+  return updates, state.replace(
     step=optax.safe_increment(state.step),
     weight_seen=_state_lib.add_weight_seen(
       state.weight_seen, jnp.ones([], jnp.float32)
@@ -1221,20 +1224,21 @@ def _next_state(
     grow = jax.tree.map(
       lambda n, o: jnp.where(ends, n, o), next_grow, state.grow
     )
-  return AccumulateState(
+  scalars = _state_lib.pack(
     micro_step=jnp.where(ends, 0, cycle.micro_step),
     step=step,
     every_k=k,
-    acc_grads=result.acc,
-    acc_weight=result.acc_weight,
-    weight_seen=weight_seen,
-    inner_state=result.inner_state,
     num_skipped=jnp.where(
       accepted, state.num_skipped, optax.safe_increment(state.num_skipped)
     ),
     emitted=updated,
+    weight_seen=weight_seen,
+    acc_weight=result.acc_weight,
     noise=result.noise,
     grow=grow,
+  )
+  return AccumulateState(
+    acc_grads=result.acc, inner_state=result.inner_state, **scalars
   )
 
 

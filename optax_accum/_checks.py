@@ -357,9 +357,9 @@ def not_a_foreign_restore(value: AccumulateState) -> None:
 
   No call leaves that: a cycle's end leaves zeros and weight 0, or
   leftovers beside a non-zero weight (CPU; optax_accum 0.1 on CPU too). It
-  is what a restore that fills a ``MultiSteps`` checkpoint's missing fields
-  from a fresh target gives, ``MultiSteps``' running mean beside a fresh
-  counter and inner state.
+  is what a restore that fills a checkpoint's missing fields from a fresh
+  target gives: ``MultiSteps``' running mean beside a fresh counter and
+  inner state, or a 0.2 state's sum beside fresh counters.
   """
   counters = (value.step, value.micro_step, value.acc_weight)
   if is_traced(counters):
@@ -383,11 +383,14 @@ def not_a_foreign_restore(value: AccumulateState) -> None:
     return
   raise ValueError(
     "`state` holds a non-zero acc_grads with micro_step 0 and acc_weight 0,"
-    " which no accumulate call leaves: it looks like an optax.MultiSteps"
-    " checkpoint restored into an accumulate target, with MultiSteps'"
-    " running mean in acc_grads and a fresh inner state. Restore with the"
-    " MultiSteps optimizer's target, then convert with"
-    " optax_accum.multisteps.from_multisteps(ms_state, tx.init(params))."
+    " which no accumulate call leaves: it looks like a checkpoint of"
+    " another layout restored into an accumulate target that filled the"
+    " missing fields from the target. An optax.MultiSteps checkpoint:"
+    " restore it into optax_accum.multisteps.restore_target(tx, params),"
+    " then convert with optax_accum.multisteps.from_multisteps(ms_state,"
+    " tx.init(params)). An optax_accum 0.2 checkpoint: restore it into"
+    " optax_accum.upgrade.v0_2_target(tx, params), then convert with"
+    " optax_accum.upgrade.from_v0_2(saved, tx.init(params))."
   )
 
 

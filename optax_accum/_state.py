@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 
 
 class NoiseScaleState(NamedTuple):
@@ -71,26 +72,51 @@ _MULTISTEPS_FIELDS = {
 }
 
 
+# The state's scalars live in two arrays, `counters` and `acc_scalars`:
+# each leaf of a state is a buffer that every jitted call passes in and out,
+# and under `nnx.jit` a Variable (each record a node) that flax's graph
+# traversal visits on every call, 17-35 us a Variable on the 2-core box
+# (issue 52). Two scalar arrays and no optional records: as many scalar
+# buffers as optax.MultiStepsState, one node fewer. They are read by name:
+# `state.micro_step`, `state.noise` etc. are properties, and `replace`
+# writes them by name.
+#
+# `counters` (int32, the same on every device) holds, in order:
+COUNTERS = ("micro_step", "step", "every_k", "num_skipped", "emitted")
+_WEIGHT_SEEN = slice(5, 7)  # then weight_seen: two float32 words, as bits;
+_NOISE_AT = 7  # with the noise scale, grad_sq and trace (bits) and cycles;
+_GROW_AT = 10  # with grow_every_k, changed_at and micro_batches (bits).
+# `acc_scalars` (float32, each device's own under shard_map, as acc_grads):
+# acc_weight; with the noise scale, sq_norm_sum and count.
+
+
 class AccumulateState(NamedTuple):
   """State of :func:`optax_accum.accumulate`.
 
   Every leaf is an array, so the state can be saved and restored mid-cycle
   with any pytree serializer, carried through ``lax.scan``, donated to
-  ``jit`` and sharded like the parameters. No field is ``None``: an unused
-  record is an ``optax.EmptyState()``, which has no leaves and which every
-  tree walker (``flax.serialization.to_state_dict``, Orbax) handles as
-  optax's own states. Reading a field of ``optax.MultiStepsState``
-  (``mini_step``, ``gradient_step``, ``inner_opt_state``, ``skip_state``)
-  raises an ``AttributeError`` that names the equivalent.
+  ``jit`` and sharded like the parameters. Reading a field of
+  ``optax.MultiStepsState`` (``mini_step``, ``gradient_step``,
+  ``inner_opt_state``, ``skip_state``) raises an ``AttributeError`` that
+  names the equivalent.
+
+  The scalars share two arrays, ``counters`` and ``acc_scalars``, so that a
+  jitted call passes as many scalar buffers as with ``optax.MultiSteps``
+  (and, under ``nnx.jit``, flax walks as few Variables). Read each value by
+  name: ``micro_step``, ``step``, ``every_k``, ``num_skipped``,
+  ``emitted``, ``weight_seen``, ``acc_weight``, ``noise`` and ``grow`` are
+  properties (on arrays; on any other leaf, such as the ``PartitionSpec``
+  of a layout, they return the leaf of the array that holds the value);
+  write them with :meth:`replace`. A state saved by optax_accum 0.2, with a
+  field per value, converts with :func:`optax_accum.upgrade.from_v0_2`.
 
   Attributes:
-    micro_step: ``int32[]``. Micro-batches accepted in the current cycle
-      (skipped ones excluded); ``0`` right after an update was emitted.
-    step: ``int32[]``. Updates emitted so far: the optimizer step. A schedule
-      passed as ``every_k`` is called with this value.
-    every_k: ``int32[]``. The number of micro-batches the current cycle
-      wants; decided when the previous cycle ended, so it never changes
-      mid-cycle (read it with :func:`current_every_k`).
+    counters: ``int32[7]``: ``micro_step``, ``step``, ``every_k``,
+      ``num_skipped``, ``emitted`` (1 or 0), then ``weight_seen`` (its two
+      float32 words as bits); ``int32[10]`` with ``track_noise_scale``
+      (then the noise scale's ``grad_sq``, ``trace``, ``cycles``),
+      ``int32[12]`` with ``grow_every_k`` (then the controller's
+      ``changed_at`` and ``micro_batches``). The same on every device.
     acc_grads: The accumulator, a tree like the params with leaves in
       ``accumulator_dtype``: :math:`\\sum_i w_i g_i` over the micro-batches
       of the current cycle. At ``micro_step == 0`` (fresh, or after a call
@@ -98,41 +124,107 @@ class AccumulateState(NamedTuple):
       leftovers of the last cycle (its updates: a program compiled for CPU
       leaves them rather than spend a pass over the accumulator on zeros),
       which the next call does not read.
-    acc_weight: ``float32[]``. :math:`\\sum_i w_i`, the total weight
-      accumulated in the current cycle (with the default weight of 1, the
-      number of micro-batches). At ``micro_step == 0``: 0, or the last
-      cycle's weight beside its leftovers (-inf for a weightless cycle's).
-    weight_seen: ``float32[2]``. The total weight of the cycles that ended
-      with an update over the whole run (tokens or examples, the unit of
-      ``weight``), as a compensated sum ``[total, -rounding error]`` so that
-      small cycles still count after billions (read it with
-      :func:`weight_seen`).
+    acc_scalars: ``float32[1]``: ``acc_weight``; ``float32[3]`` with
+      ``track_noise_scale`` (then the noise scale's ``sq_norm_sum`` and
+      ``count``). Like ``acc_grads``, each device's own under
+      ``shard_map``.
     inner_state: The wrapped transformation's state; changes only on
       emitting calls (read it with :func:`inner_state`).
-    num_skipped: ``int32[]``. Micro-batches dropped by ``skip_nonfinite``
-      over the whole run.
-    emitted: ``bool[]``. Whether the most recent ``update`` emitted a real
-      update (read it with :func:`has_updated`).
-    noise: A :class:`~optax_accum.types.NoiseScaleState` with ``track_noise_scale=True``,
-      else ``optax.EmptyState()``.
-    grow: A :class:`~optax_accum.types.GrowState` with ``every_k=grow_every_k(...)``, else
-      ``optax.EmptyState()``.
   """
 
-  micro_step: jax.Array  # int32[]
-  step: jax.Array  # int32[]
-  every_k: jax.Array  # int32[]
+  counters: jax.Array  # int32[7 | 10 | 12], see COUNTERS
   acc_grads: optax.Updates
-  acc_weight: jax.Array  # float32[]
-  weight_seen: jax.Array  # float32[2]
+  acc_scalars: jax.Array  # float32[1 | 3]
   inner_state: optax.OptState
-  num_skipped: jax.Array  # int32[]
-  emitted: jax.Array  # bool[]
-  noise: NoiseScaleState | optax.EmptyState
-  grow: GrowState | optax.EmptyState
+
+  @property
+  def micro_step(self) -> jax.Array:
+    """``int32[]``. Micro-batches accepted in the current cycle (skipped
+    ones excluded); ``0`` right after an update was emitted."""
+    return _entry(self.counters, 0)
+
+  @property
+  def step(self) -> jax.Array:
+    """``int32[]``. Updates emitted so far: the optimizer step. A schedule
+    passed as ``every_k`` is called with this value."""
+    return _entry(self.counters, 1)
+
+  @property
+  def every_k(self) -> jax.Array:
+    """``int32[]``. The number of micro-batches the current cycle wants;
+    decided when the previous cycle ended, so it never changes mid-cycle
+    (read it with :func:`current_every_k`)."""
+    return _entry(self.counters, 2)
+
+  @property
+  def num_skipped(self) -> jax.Array:
+    """``int32[]``. Micro-batches dropped by ``skip_nonfinite`` over the
+    whole run."""
+    return _entry(self.counters, 3)
+
+  @property
+  def emitted(self) -> jax.Array:
+    """``bool[]``. Whether the most recent ``update`` emitted a real update
+    (read it with :func:`has_updated`)."""
+    return _entry(self.counters, 4, jnp.bool_)
+
+  @property
+  def weight_seen(self) -> jax.Array:
+    """``float32[2]``. The total weight of the cycles that ended with an
+    update over the whole run (tokens or examples, the unit of ``weight``),
+    as a compensated sum ``[total, -rounding error]`` so that small cycles
+    still count after billions (read it with :func:`weight_seen`)."""
+    return _entry(self.counters, _WEIGHT_SEEN, "bits")
+
+  @property
+  def acc_weight(self) -> jax.Array:
+    """``float32[]``. :math:`\\sum_i w_i`, the total weight accumulated in
+    the current cycle (with the default weight of 1, the number of
+    micro-batches). At ``micro_step == 0``: 0, or the last cycle's weight
+    beside its leftovers (-inf for a weightless cycle's)."""
+    return _entry(self.acc_scalars, 0)
+
+  @property
+  def noise(self) -> "NoiseScaleState | optax.EmptyState":
+    """A :class:`~optax_accum.types.NoiseScaleState` with
+    ``track_noise_scale=True``, else ``optax.EmptyState()``."""
+    if _length(self.counters) is None:
+      return self.counters
+    if _length(self.counters) <= _NOISE_AT:
+      return optax.EmptyState()
+    at = _NOISE_AT
+    return NoiseScaleState(
+      sq_norm_sum=_entry(self.acc_scalars, 1),
+      count=_entry(self.acc_scalars, 2, jnp.int32),
+      grad_sq=_entry(self.counters, at, "bits"),
+      trace=_entry(self.counters, at + 1, "bits"),
+      cycles=_entry(self.counters, at + 2),
+    )
+
+  @property
+  def grow(self) -> "GrowState | optax.EmptyState":
+    """A :class:`~optax_accum.types.GrowState` with
+    ``every_k=grow_every_k(...)``, else ``optax.EmptyState()``."""
+    if _length(self.counters) is None:
+      return self.counters
+    if _length(self.counters) <= _GROW_AT:
+      return optax.EmptyState()
+    return GrowState(
+      changed_at=_entry(self.counters, _GROW_AT),
+      micro_batches=_entry(self.counters, _GROW_AT + 1, "bits"),
+    )
+
+  def replace(self, **values: Any) -> "AccumulateState":
+    """The state with `values` replaced, by field or by name
+    (``state.replace(micro_step=0, acc_weight=2.0)``)."""
+    named = {name: values.pop(name) for name in _NAMED if name in values}
+    if named:
+      current = {name: getattr(self, name) for name in _NAMED}
+      values.update(pack(**{**current, **named}))
+    return self._replace(**values)
 
   def __getattr__(self, name: str) -> Any:
-    # Called only for a name that is not a field or method.
+    # Called only for a name that is not a field, property or method.
     equivalent = _MULTISTEPS_FIELDS.get(name)
     if equivalent is None:
       raise AttributeError(
@@ -144,15 +236,91 @@ class AccumulateState(NamedTuple):
     )
 
 
+# What `pack` and `replace` take by name.
+_NAMED = (*COUNTERS, "weight_seen", "acc_weight", "noise", "grow")
+
+
+def _length(packed: Any) -> int | None:
+  """The length of a packed array (or of its abstract value); None for a
+  leaf that has none, e.g. a ``PartitionSpec``."""
+  shape = getattr(packed, "shape", None)
+  return None if shape is None or not len(shape) else shape[-1]
+
+
+def _entry(packed: Any, index: int | slice, kind: Any = None) -> Any:
+  """Entry `index` of `packed` over any leading axes (a ``pmap``-stacked
+  state gives one per device): as stored, as ``kind``, or ``"bits"``
+  read as float32. An abstract value gives its type; a leaf with no shape
+  (a ``PartitionSpec``, a sharding) is returned as is."""
+  if _length(packed) is None:
+    return packed
+  if isinstance(packed, jax.ShapeDtypeStruct):
+    width = () if isinstance(index, int) else (index.stop - index.start,)
+    dtype = jnp.float32 if kind == "bits" else (kind or packed.dtype)
+    return jax.ShapeDtypeStruct((*packed.shape[:-1], *width), dtype)
+  value = jnp.asarray(packed)[..., index]
+  if kind == "bits":
+    return lax.bitcast_convert_type(value, jnp.float32)
+  if kind is jnp.bool_:
+    return value != 0
+  return value if kind is None else value.astype(kind)
+
+
+def pack(
+  *,
+  micro_step: Any,
+  step: Any,
+  every_k: Any,
+  num_skipped: Any,
+  emitted: Any,
+  weight_seen: Any,
+  acc_weight: Any,
+  noise: Any = optax.EmptyState(),  # noqa: B008  (immutable)
+  grow: Any = optax.EmptyState(),  # noqa: B008
+) -> dict[str, jax.Array]:
+  """``counters`` and ``acc_scalars`` (a dict of the two fields) from the
+  values they hold, with any leading axes the values share (a stacked
+  state's)."""
+  ints = [micro_step, step, every_k, num_skipped, emitted]
+  bits = [weight_seen]
+  floats = [acc_weight]
+  tracked = isinstance(noise, NoiseScaleState)
+  if tracked:
+    bits += [jnp.stack([noise.grad_sq, noise.trace], axis=-1)]
+    floats += [noise.sq_norm_sum, noise.count]
+  lead = jnp.broadcast_shapes(
+    *(jnp.shape(x) for x in ints + floats), jnp.shape(weight_seen)[:-1]
+  )
+
+  def column(x, dtype):
+    return jnp.broadcast_to(jnp.asarray(x).astype(dtype), lead)[..., None]
+
+  def words(x):  # float32 values as their bits
+    x = lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
+    return jnp.broadcast_to(x, (*lead, x.shape[-1]))
+
+  # In the order of COUNTERS: the five counters, weight_seen, then the
+  # noise scale's grad_sq, trace and cycles, then the controller's.
+  counters = [column(x, jnp.int32) for x in ints] + [words(bits[0])]
+  if tracked:
+    counters += [words(bits[1]), column(noise.cycles, jnp.int32)]
+  if isinstance(grow, GrowState):
+    counters += [
+      column(grow.changed_at, jnp.int32),
+      words(jnp.asarray(grow.micro_batches)[..., None]),
+    ]
+  return {
+    "counters": jnp.concatenate(counters, axis=-1),
+    "acc_scalars": jnp.concatenate(
+      [column(x, jnp.float32) for x in floats], axis=-1
+    ),
+  }
+
+
 # The fields that hold one device's own, unreduced sums during a cycle when
 # `axis_name` is used inside `shard_map`; every other field is the same on
 # every device. The one place that knows the layout (see _layout.py).
-DEVICE_LOCAL_FIELDS = {
-  AccumulateState: ("acc_grads", "acc_weight"),
-  NoiseScaleState: ("sq_norm_sum", "count"),
-  GrowState: (),
-  optax.EmptyState: (),  # `noise` or `grow` when unused
-}
+DEVICE_LOCAL_FIELDS = ("acc_grads", "acc_scalars")
 
 
 def is_accumulate_state(x: Any) -> bool:
@@ -194,6 +362,15 @@ def find_state(
     f" AccumulateState, got one with {len(found)} (several accumulate"
     " transformations): pass the part of the state that holds the one you"
     " mean, e.g. `opt_state[0]` of an optax.chain."
+  )
+
+
+def swap_state(tree: Any, old: Any, new: Any) -> Any:
+  """`tree` with the node `old` (found by identity) replaced by `new`."""
+  if tree is old:
+    return new
+  return jax.tree.map(
+    lambda x: new if x is old else x, tree, is_leaf=lambda x: x is old
   )
 
 

@@ -109,7 +109,7 @@ import numpy as np
 import optax
 
 from optax_accum import _accumulate, _checks, _every_k
-from optax_accum._state import AccumulateState, find_state
+from optax_accum._state import find_state, swap_state
 
 __all__ = (
   "check_restored",
@@ -281,7 +281,7 @@ def from_multisteps(
   )
   step = jnp.asarray(ms_state.gradient_step, jnp.int32)
   k = fresh.every_k if every_k is None else jnp.asarray(every_k, jnp.int32)
-  state = fresh._replace(
+  state = fresh.replace(
     micro_step=n,
     step=step,
     every_k=k,
@@ -296,7 +296,7 @@ def from_multisteps(
     ),
     emitted=(n == 0) & (step > 0),
   )
-  return _replace_state(target, fresh, state)
+  return swap_state(target, fresh, state)
 
 
 def to_multisteps(
@@ -441,12 +441,16 @@ def _not_restored_from_elsewhere(
   )
   raise ValueError(
     f"The {where} restored holds an accumulate state with a fresh target's"
-    f" counters, though {why}: the checkpoint holds no AccumulateState."
-    " It looks like an optax.MultiSteps checkpoint (or one saved without"
-    " accumulate) whose missing fields the restorer filled from the target"
+    f" counters, though {why}: the checkpoint holds no AccumulateState of"
+    " this version. It looks like an optax.MultiSteps checkpoint (or one"
+    " saved without accumulate) whose missing fields the restorer filled"
+    " from the target"
     " (flax.training.checkpoints and Orbax's partial_restore=True do);"
     " trained on, its optimizer state would be reset and MultiSteps'"
-    f" running mean taken as a sum. {fix}"
+    f" running mean taken as a sum. {fix} A checkpoint of optax_accum 0.2"
+    " (whose counters were fields of their own) restores the same way into"
+    " optax_accum.upgrade.v0_2_target(tx, params), converted with"
+    " optax_accum.upgrade.from_v0_2(saved, tx.init(params))."
   )
 
 
@@ -457,16 +461,6 @@ def _same_tree(name: str, got: Any, want: Any) -> None:
       f" target's is {jax.tree.structure(want)}: build the target with the"
       " same inner optimizer and params as the MultiSteps run."
     )
-
-
-def _replace_state(target: Any, old: AccumulateState, new: AccumulateState):
-  if target is old:
-    return new
-  return jax.tree.map(
-    lambda x: new if x is old else x,
-    target,
-    is_leaf=lambda x: x is old,
-  )
 
 
 def check_restored(opt_state: Any, *, calls: Any = None) -> None:

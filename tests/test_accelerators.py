@@ -493,10 +493,12 @@ def test_static_micro_step_is_the_floor(facts, key):
   assert no_copies_on_a_micro_step(f) is None
   assert not [c for c in f["collectives"] if c["bytes"] >= 1024]
   assert at_floor(facts, key, 1.05) is None
-  # Temp memory no larger than the floor's, but for a few scalars (the
-  # counter, the weight).
+  # Temp memory no larger than the floor's, but for the scalars: the state
+  # packs them in two small arrays, and XLA:TPU pads each small temporary
+  # of that packing to a 128-element tile (32 KiB in all on the TPU v5e
+  # unreduced step, jax 0.12.0.1; a leaf here is 4 MiB).
   floor = facts[_floor_of(key)]
-  assert f["memory"]["temp"] <= floor["memory"]["temp"] + 1024
+  assert f["memory"]["temp"] <= floor["memory"]["temp"] + 64 * 1024
 
 
 @pytest.mark.parametrize(

@@ -127,7 +127,7 @@ def _meaning(state):
   the zeros and weight 0 they stand for."""
   if int(state.micro_step) != 0 or float(state.acc_weight) == 0:
     return state
-  return state._replace(
+  return state.replace(
     acc_grads=jax.tree.map(jnp.zeros_like, state.acc_grads),
     acc_weight=jnp.zeros_like(state.acc_weight),
   )
@@ -226,7 +226,7 @@ def _v01_cpu_state(params):
   acc_weight, micro_step 0."""
   tx = optax_accum.accumulate(optax.sgd(1.0), 2)
   updates, state = _cycle(tx, tx.init(params), params, 0, static=False)
-  return state._replace(acc_grads=updates, acc_weight=jnp.float32(2.0))
+  return state.replace(acc_grads=updates, acc_weight=jnp.float32(2.0))
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["traced", "static"])
@@ -257,9 +257,7 @@ def test_without_the_flag_a_v01_state_would_add_its_leftovers(monkeypatch):
   """Control for the test above: hide 0.1's flag (acc_weight) and its
   leftover update joins the next update."""
   params = _common.params()
-  hidden = _v01_cpu_state(params)._replace(
-    acc_weight=jnp.zeros([], jnp.float32)
-  )
+  hidden = _v01_cpu_state(params).replace(acc_weight=jnp.zeros([], jnp.float32))
   tx = optax_accum.accumulate(optax.sgd(1.0), 1, skip_nonfinite=True)
   # Under jit: outside it, update refuses such a state (test_multisteps_
   # checkpoints.py: a sum with no cycle under way).
@@ -304,13 +302,13 @@ def test_what_a_cycle_end_leaves_is_never_read(
   update = jax.jit(tx.update, static_argnames="emit")
   _, ended = _cycle(tx, tx.init(params), params, 0, static)
   assert int(ended.micro_step) == 0 and int(ended.step) == 1
-  nan = ended._replace(
+  nan = ended.replace(
     acc_grads=jax.tree.map(
       lambda a: jnp.full_like(a, jnp.nan), ended.acc_grads
     ),
     acc_weight=jnp.float32(2.0),
   )
-  zeros = ended._replace(
+  zeros = ended.replace(
     acc_weight=jnp.float32(0.0),
     acc_grads=jax.tree.map(jnp.zeros_like, ended.acc_grads),
   )

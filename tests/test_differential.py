@@ -436,7 +436,7 @@ def _compare(oracle: _Oracle, updates, params, opt_state, where: str):
   leftovers = int(state.micro_step) == 0 and float(state.acc_weight) != 0
   if leftovers:
     assert oracle.micro_step == 0, where
-    state = state._replace(
+    state = state.replace(
       acc_grads=jax.tree.map(jnp.zeros_like, state.acc_grads),
       acc_weight=jnp.zeros_like(state.acc_weight),
     )

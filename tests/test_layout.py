@@ -103,7 +103,14 @@ def test_readme_is_a_landing_page():
 # fit them; a module is as long as its story). What the rules keep: the core
 # never imports what sits above it, a call without axis_name never loads the
 # distributed engines, and no helper is defined twice.
-SUBPACKAGES = ("flax", "inspect", "distributed", "targets", "multisteps")
+SUBPACKAGES = (
+  "flax",
+  "inspect",
+  "distributed",
+  "targets",
+  "multisteps",
+  "upgrade",
+)
 # (core module, what it may import from above, why)
 ALLOWED_UPWARD = {
   # The planner compiles for a deviceless target when asked (lazily).
@@ -140,13 +147,14 @@ def test_the_core_imports_nothing_above_it():
 def test_subpackages_import_no_sibling_subpackage_but_the_core():
   """inspect, distributed and flax stand on the core alone (flax's
   drop-ins may use distributed's per-device gradients, and linen's
-  TrainState the migration checks of multisteps)."""
+  TrainState the migration checks of multisteps and the conversion of
+  upgrade)."""
   crossing = []
   for package in ("inspect", "distributed", "flax"):
     for path in (PACKAGE / package).glob("*.py"):
       others = _imported(path) & set(SUBPACKAGES) - {package}
       if package == "flax":
-        others -= {"distributed", "multisteps"}
+        others -= {"distributed", "multisteps", "upgrade"}
       if others:
         crossing.append(f"{package}/{path.name} imports {sorted(others)}")
   assert not crossing, crossing

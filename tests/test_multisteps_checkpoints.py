@@ -105,7 +105,7 @@ def test_without_the_conversion_the_run_differs():
   unswitched, _ = _run(old, params, old.init(params), range(CALLS))
   params, ms_state = _run(old, params, old.init(params), range(SWITCH))
   state = multisteps.from_multisteps(ms_state, new.init(params))
-  wrong = state._replace(acc_grads=ms_state.acc_grads)  # the mean, unscaled
+  wrong = state.replace(acc_grads=ms_state.acc_grads)  # the mean, unscaled
   switched, _ = _run(new, params, wrong, range(SWITCH, CALLS))
   assert (
     max(
@@ -191,7 +191,7 @@ def test_a_lenient_restore_fails_on_first_use_naming_the_converter(use_jit):
   # (micro_step 0 with its weight).
   _, mid = tx.update(_grads(0), fresh, params)
   tx.update(_grads(1), mid, params)
-  tx.update(_grads(1), mid._replace(micro_step=jnp.int32(0)), params)
+  tx.update(_grads(1), mid.replace(micro_step=jnp.int32(0)), params)
 
 
 @pytest.mark.filterwarnings("ignore:Sharding info not provided:UserWarning")
@@ -219,7 +219,7 @@ def test_check_restored_names_the_converter():
   ms_state = _mid_cycle_multisteps_state()
   tx = _new()
   fresh = tx.init(_params())
-  wrong = fresh._replace(acc_grads=ms_state.acc_grads)
+  wrong = fresh.replace(acc_grads=ms_state.acc_grads)
   with pytest.raises(ValueError, match=r"multisteps\.from_multisteps"):
     multisteps.check_restored((optax.EmptyState(), wrong))
   multisteps.check_restored(multisteps.from_multisteps(ms_state, fresh))

@@ -87,5 +87,5 @@ def test_has_updated_of_a_stacked_state_whose_flags_differ_gives_them_all():
   tx = optax_accum.accumulate(optax.sgd(1.0), 2)
   state = tx.init(jnp.zeros(2))
   stacked = jax.tree.map(lambda a: jnp.stack([a, a]), state)
-  stacked = stacked._replace(emitted=jnp.array([True, False]))
+  stacked = stacked.replace(emitted=jnp.array([True, False]))
   np.testing.assert_array_equal(optax_accum.has_updated(stacked), [True, False])

@@ -31,17 +31,10 @@ from optax_accum.distributed import _sharding
 
 
 def _device_local_mask(state: AccumulateState) -> AccumulateState:
-  """A prefix of `state`: True above each device-local subtree.
-
-  The records of `noise` and `grow` are masked field by field, whatever
-  they hold (an ``optax.EmptyState`` when unused), so that the specs have
-  the state's own structure down to them."""
-
-  def mask(node: Any) -> Any:
-    local = DEVICE_LOCAL_FIELDS[type(node)]
-    return type(node)(**{field: field in local for field in node._fields})
-
-  return mask(state)._replace(noise=mask(state.noise), grow=mask(state.grow))
+  """A prefix of `state`: True above each device-local field."""
+  return AccumulateState(
+    **{field: field in DEVICE_LOCAL_FIELDS for field in state._fields}
+  )
 
 
 def _map_accumulate_states(opt_state: Any, fn: Callable, other: Callable):
@@ -92,7 +85,7 @@ def shard_map_specs(
     >>> tx = optax_accum.accumulate(optax.sgd(0.1), 4, axis_name="data")
     >>> specs = optax_accum.distributed.shard_map_specs(
     ...     jax.eval_shape(tx.init, jnp.zeros(3)), "data")
-    >>> print(specs.acc_grads, specs.acc_weight, specs.step, specs.inner_state)
+    >>> print(specs.acc_grads, specs.acc_scalars, specs.counters, specs.inner_state)
     P('data',) P('data',) P() P()
   """
   local, replicated = P(axis_name), P()

@@ -8,7 +8,7 @@ import jax
 from flax import serialization
 from flax.training import train_state
 
-from optax_accum import _apply, _state, multisteps
+from optax_accum import _apply, _state, multisteps, upgrade
 
 
 class TrainState(train_state.TrainState):
@@ -35,8 +35,9 @@ class TrainState(train_state.TrainState):
   run had made calls (a restorer that filled the missing fields from the
   target, as ``restore_checkpoint`` does through Orbax). Restore such a
   checkpoint into ``state.replace(opt_state=restore_target(state.tx,
-  state.params))`` and convert (``help(optax_accum.multisteps)``). The
-  training step pays nothing for it.
+  state.params))`` and convert (``help(optax_accum.multisteps)``). A
+  checkpoint of optax_accum 0.2 (``help(optax_accum.upgrade)``) is
+  converted as it is restored. The training step pays nothing for it.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
@@ -86,6 +87,21 @@ _FIX = (
 )
 
 
+# The fields of optax_accum 0.2's AccumulateState that 0.3's lacks.
+_V0_2_KEYS = frozenset(upgrade.StateV0_2._fields) - set(
+  _state.AccumulateState._fields
+)
+
+
+def _holds_v0_2(state_dict: Any) -> bool:
+  """Whether a state dict holds an optax_accum 0.2 state anywhere."""
+  if not isinstance(state_dict, dict):
+    return False
+  return _V0_2_KEYS <= state_dict.keys() or any(
+    _holds_v0_2(v) for v in state_dict.values()
+  )
+
+
 def _register_checked_restore(cls: type) -> None:
   """Registers `cls`'s flax serialization: the stock dataclass one, with the
   restored optimizer state checked (:func:`optax_accum.multisteps.check_restored`).
@@ -116,6 +132,15 @@ def _register_checked_restore(cls: type) -> None:
         f" optax_accum.accumulate. {_FIX}"
       )
     state = dict(state)
+    if any(map(_state.is_accumulate_state, ours)) and _holds_v0_2(
+      state.get("opt_state")
+    ):  # Saved by optax_accum 0.2: converted here, bit for bit.
+      old = serialization.from_state_dict(
+        upgrade.to_v0_2(x.opt_state), state["opt_state"], name="opt_state"
+      )
+      state["opt_state"] = serialization.to_state_dict(
+        upgrade.from_v0_2(old, x.opt_state)
+      )
     updates = {}
     for name in fields:
       if name not in state:
