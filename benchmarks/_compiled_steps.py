@@ -94,6 +94,8 @@ class Case:
     reduce_dtype: ``""``, or ``"bf16"``: ``accumulate(reduce_dtype=)``, the
       dtype the deferred reduction crosses devices in.
     xla: a name of :data:`XLA_OPTIONS`, compiler options to add.
+    inner: the inner optimizer, ``"adam"`` or ``"clip_adamw"``
+      (``chain(clip_by_global_norm(1), adamw)``).
   """
 
   target: str = "h100"
@@ -109,6 +111,7 @@ class Case:
   gradients: str = "mean"
   reduce_dtype: str = ""
   xla: str = ""
+  inner: str = "adam"
   k: int = 8
   width: int = 2048
   layers: int = 4
@@ -125,6 +128,7 @@ class Case:
     parts += ["sum-gradients"] if self.gradients == "sum" else []
     parts += [f"{self.reduce_dtype}-wire"] if self.reduce_dtype else []
     parts += [self.xla] if self.xla else []
+    parts += [self.inner] if self.inner != "adam" else []
     return "-".join(parts)
 
 
@@ -200,6 +204,8 @@ def accumulator_bytes(case: Case) -> int:
 
 def _transformation(case: Case):
   inner = optax.adam(1e-3)
+  if case.inner == "clip_adamw":
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
   if case.variant == "plain":
     return inner
   if case.variant == "MultiSteps":

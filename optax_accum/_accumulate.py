@@ -748,16 +748,47 @@ def _inner_types(
 def _decide_on_device(
   config: Config, engine: Local, inner: Inner, cycle: Cycle
 ) -> Result:
-  """The default (``emit=None``): one conditional decides on the device
+  """The default (``emit=None``): a conditional decides on the device
   whether this call ends the cycle.
 
-  Where the updates fit the accumulator's buffer (:func:`_shares_buffer`)
-  the updating branch writes them there and :func:`_close` closes the cycle
-  once they are read. Otherwise (another dtype or tree, a buffer that
-  varies over devices) they get buffers of their own and the updating
-  branch zeroes the accumulator and applies them itself.
+  Where the updates are narrower than the accumulator (bf16 params, a
+  float32 accumulator) and the params are given, a program for GPU/TPU
+  applies them in the emitting branch (:func:`_apply_inside`) instead of
+  passing them through the accumulator's buffer, which costs the emitting
+  step a float32 write and read of every update there. Everything else is
+  :func:`_decide`, which CPU programs keep for narrow updates too.
   """
   shares = _shares_buffer(engine, inner, cycle.acc)
+  # (`shares`: the same tree and shapes, so the leaves pair up.)
+  narrow = shares and any(
+    jnp.dtype(u.dtype).itemsize < jnp.dtype(a.dtype).itemsize
+    for u, a in zip(
+      jax.tree.leaves(inner.update_types),
+      jax.tree.leaves(cycle.acc),
+      strict=True,
+    )
+  )
+  if narrow and cycle.params is not None:
+    return _per_backend(
+      cycle,
+      cpu=lambda c: _decide(config, engine, inner, c, shares),
+      accelerator=lambda c: _apply_inside(config, engine, inner, c),
+    )
+  return _decide(config, engine, inner, cycle, shares)
+
+
+def _decide(
+  config: Config, engine: Local, inner: Inner, cycle: Cycle, shares: bool
+) -> Result:
+  """One conditional decides on the device whether this call ends the
+  cycle.
+
+  Where the updates share the accumulator's buffer (`shares`:
+  :func:`_shares_buffer`) the updating branch writes them there and
+  :func:`_close` closes the cycle once they are read. Otherwise (another
+  tree, a buffer that varies over devices) they get buffers of their own
+  and the updating branch zeroes the accumulator and applies them itself.
+  """
   enter = cycle.ends
   if shares and engine.global_weight:
     # A weightless cycle skips the branch (a NaN total still enters, so
@@ -844,6 +875,71 @@ def _decide_on_device(
     inner_state=inner_state,
     cycle_ends=cycle.ends,
     cycle_weight=cycle_weight,
+  )
+
+
+def _apply_inside(
+  config: Config, engine: Local, inner: Inner, cycle: Cycle
+) -> Result:
+  """GPU/TPU, narrow updates, params given: one switch. Branch 0 holds
+  (passes everything through); branch 1 ends a weighted cycle: the inner
+  optimizer on the mean, the params updated and the accumulator zeroed in
+  its kernels, as the static emitting step does; branch 2 ends a
+  weightless one (the accumulator zeroed, nothing applied). The updates
+  get buffers of their own, which XLA drops when the caller applies them
+  with :func:`optax_accum.apply_updates` (with ``optax.apply_updates`` a
+  micro-step writes narrow zeros there, as many bytes as reading the
+  shared buffer costs it, ``tests/test_accelerators.py``).
+
+  One device (a local ``global_weight``): the weight that decides the
+  branch is the cycle's whole weight.
+  """
+  weighted = ~(cycle.weight <= 0)  # a NaN total enters, to reach `inner`
+  index = jnp.where(cycle.ends, jnp.where(weighted, 1, 2), 0)
+  held_state = _settle(cycle.inner_state, inner.state_types)
+  leaves, treedef = jax.tree.flatten(inner.update_types)
+
+  def no_updates(flag):  # traced zeros, one per leaf (`flag` false here)
+    zeros = _control.distinct_zeros(leaves, flag, zeros_like_type)
+    return jax.tree.unflatten(treedef, zeros)
+
+  def hold(cycle):
+    kept = (held_state, cycle.noise, jnp.asarray(False))
+    return no_updates(cycle.ends), cycle.acc, cycle.params, kept
+
+  def update(cycle):
+    done = _run_inner_on_mean(
+      config,
+      engine,
+      inner,
+      cycle,
+      None,
+      static=False,
+      weight_checked=True,
+      apply=True,
+    )
+    acc = engine.cleared(cycle.ends, cycle.acc, done.total)
+    ran = (done.inner_state, done.noise, done.updated)
+    return done.updates, acc, done.params, ran
+
+  def weightless(cycle):
+    acc = engine.cleared(cycle.ends, cycle.acc, cycle.acc)
+    kept = (held_state, cycle.noise, jnp.asarray(False))
+    return no_updates(~cycle.ends), acc, cycle.params, kept
+
+  updates, acc, new_params, (inner_state, noise, updated) = _control.switch(
+    index, (hold, update, weightless), cycle
+  )
+  return Result(
+    updates=updates,
+    updated=updated,
+    new_params=new_params,
+    acc=acc,
+    acc_weight=jnp.where(cycle.ends, 0.0, cycle.weight),
+    noise=noise,
+    inner_state=inner_state,
+    cycle_ends=cycle.ends,
+    cycle_weight=jnp.where(updated, cycle.weight, 0.0),
   )
 
 

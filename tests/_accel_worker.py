@@ -58,8 +58,19 @@ def _reduction_after_the_whole_gradient(
   return _reduce(config, engine, inner, acc, weight, noise, per_leaf)
 
 
+def _narrow_updates_shared(config, engine, inner, cycle):
+  """Before issue 52: bf16 updates through the float32 accumulator's
+  buffer, applied after the conditional."""
+  return _accumulate._decide(config, engine, inner, cycle, True)
+
+
 # name -> (module, attribute, replacement)
 PLANTS = {
+  "narrow_updates_shared": (
+    _accumulate,
+    "_apply_inside",
+    _narrow_updates_shared,
+  ),
   "lax_cond": (_control, "cond", _plain_lax_cond),
   "holding_branch_last": (_control, "cond", _holding_branch_last),
   "cpu_form": (_accumulate, "_per_backend", _cpu_form_everywhere),

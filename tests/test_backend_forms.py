@@ -88,7 +88,33 @@ SCENARIOS = {
     lambda i: {"emit": i % 3 == 2},
     None,
   ),
+  # bfloat16 params and gradients, a float32 accumulator: the GPU/TPU form
+  # applies the (narrower) updates in the emitting branch instead of
+  # passing them through the accumulator's buffer (_apply_inside); a
+  # weightless cycle (calls 3 and 4, summed gradients: a sum that is not
+  # zeros) takes its third branch.
+  "bf16_params": (
+    dict(inner=optax.adam(0.1), every_k=2, gradients="sum"),
+    lambda i: {"weight": 0.0 if i in (2, 3) else 1.0 + i % 3},
+    lambda i: _bf16(_common.grads(i)),
+  ),
+  "bf16_params_noise_skip": (
+    dict(
+      inner=optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(0.1)),
+      every_k=3,
+      track_noise_scale=True,
+      skip_nonfinite=True,
+    ),
+    lambda i: {"weight": 2.0, "flush": i == 7},
+    lambda i: _bf16(_nan_grads(i) if i % 5 == 1 else _common.grads(i)),
+  ),
 }
+
+BF16_PARAMS = ("bf16_params", "bf16_params_noise_skip")
+
+
+def _bf16(tree):
+  return jax.tree.map(lambda x: x.astype(jnp.bfloat16), tree)
 
 
 def _trajectory(monkeypatch, form, scenario, calls=12, jit=True):
@@ -100,6 +126,8 @@ def _trajectory(monkeypatch, form, scenario, calls=12, jit=True):
     kwargs.pop("inner"), kwargs.pop("every_k"), **kwargs
   )
   params = _common.params()
+  if scenario in BF16_PARAMS:
+    params = _bf16(params)
   state = tx.init(params)
 
   def step(params, state, grads, options):
@@ -152,7 +180,7 @@ def test_both_forms_give_the_same_run(monkeypatch, scenario, jit):
     chex.assert_trees_all_equal(_meaning(s), _meaning(t), strict=True)
     if int(t.micro_step) == 0:  # a cycle boundary: zeros on GPU/TPU
       _assert_fresh(t)
-    shares = scenario not in ("static", "bf16_accumulator")
+    shares = scenario not in ("static", "bf16_accumulator", *BF16_PARAMS)
     if int(s.micro_step) == 0 and shares and s.emitted:
       # The CPU form leaves the updates where they fit the accumulator's
       # buffer (float32 updates fit no bfloat16 one), marked by the weight.
