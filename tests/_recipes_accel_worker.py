@@ -267,14 +267,15 @@ def readme(plant, dtype, static=False):
 
 
 def nnx_guide(plant, dtype, static=False):
+  """The NNX guide's step: its ``nnx.jit_partial`` call form over this
+  recipe's model (the guide's own line, run again with it), or the static
+  block's ``nnx.jit`` step."""
   mesh = targets.mesh("h100", (1,), ("data",))
   path = "docs/guides/flax.md"
-  ns = _run(
-    path,
-    "def train_step(model, optimizer, batch)",
-    "for batch in",
-    plant,
-  )
+  marker = "def train_step(model, optimizer, batch)"
+  # Up to the call form (no donation there: the line below is planted).
+  prefix_plant = "clean" if plant == "no_donation" else plant
+  ns = _run(path, marker, "step = nnx.jit_partial(", prefix_plant)
   if static:
     _run(path, "def static_step(model, optimizer", "for i, batch in", plant, ns)
   tx = ns["optimizer"].tx
@@ -286,6 +287,13 @@ def nnx_guide(plant, dtype, static=False):
   model, optimizer = _placed(nnx.eval_shape(make), mesh)
   batch = _masked_batch(mesh, dtype, WIDTH, ROWS)
   params, loss = _nnx_loss(model)
+  if not static:  # the guide's fast form, bound to this model
+    ns.update(model=model, optimizer=optimizer)
+    line = _block(path, marker).code.split("step = nnx.jit_partial(")[1]
+    line = "step = nnx.jit_partial(" + line.split("\nfor batch in")[0]
+    exec(_plant_text(line, plant), ns)
+    ns["train_step"] = ns["step"]
+    return _one_h100(ns, (model, optimizer), batch, mesh, params, loss)
   return _one_h100(ns, (model, optimizer), batch, mesh, params, loss, static)
 
 

@@ -168,6 +168,47 @@ def test_an_undonated_nnx_jit_step_names_the_model_and_optimizer():
   assert any("nnx.jit" in p for p in report.problems)
 
 
+def _nnx_partial_check(optimizer_class, donate=0, bound=2):
+  """The NNX guide's fast form: ``nnx.jit_partial(..., graph=False)``,
+  checked with its bound objects passed first (`bound` of them)."""
+  from flax import nnx
+
+  model = nnx.Linear(WIDTH, WIDTH, rngs=nnx.Rngs(0))
+  tx = optax_accum.accumulate(optax.adam(1e-3), 4)
+  optimizer = optimizer_class(model, tx, wrt=nnx.Param)
+
+  def train_step(model, optimizer, x):
+    grads = nnx.grad(lambda m: jnp.mean(jnp.tanh(m(x)) ** 2))(model)
+    optimizer.update(model, grads)
+
+  step = nnx.jit_partial(
+    train_step, model, optimizer, graph=False, donate_argnums=donate
+  )
+  x = jnp.ones((8, WIDTH))
+  step(x)  # a cached trace must not hide the update
+  return check_step(step, *(model, optimizer)[:bound], x)
+
+
+def test_an_nnx_jit_partial_step_with_the_drop_in_passes():
+  report = _nnx_partial_check(optax_accum.flax.Optimizer)
+  assert report.problems == () and report.conditionals >= 1, str(report)
+
+
+def test_an_nnx_jit_partial_step_is_flagged_as_nnx_jit_is():
+  from flax import nnx
+
+  stock = _nnx_partial_check(nnx.Optimizer)
+  assert any("use optax_accum.apply_updates" in p for p in stock.problems)
+  undonated = _nnx_partial_check(optax_accum.flax.Optimizer, donate=())
+  assert undonated.undonated == (0, 1) and undonated.copies, str(undonated)
+  assert any("donate_argnums=0" in p for p in undonated.problems)
+
+
+def test_an_nnx_jit_partial_step_without_its_bound_objects_says_so():
+  with pytest.raises(ValueError, match="pass the objects bound to it first"):
+    _nnx_partial_check(optax_accum.flax.Optimizer, bound=1)
+
+
 def _data_parallel_check(deferred: bool, emit=None, **kwargs):
   """Params replicated, the batch split over 8 CPU devices."""
   from jax.sharding import AxisType, NamedSharding

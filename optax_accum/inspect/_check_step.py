@@ -97,13 +97,16 @@ def _params_positions(args: tuple, acc_grads: Any) -> list[int]:
   return [i for i, arg in enumerate(args) if holds(arg)]
 
 
-def _undonated(lowered: Any, positions: list[int]) -> list[int]:
+def _undonated(lowered: Any, positions: list[int], bound: int = 0) -> list[int]:
+  """Of the `positions` of the step's arguments, those not donated; the
+  first `bound` are an ``nnx.jit_partial``'s, lowered as its argument 0."""
   args_info, _ = lowered.args_info
-  return [
-    i
-    for i in positions
-    if not all(leaf.donated for leaf in jax.tree.leaves(args_info[i]))
-  ]
+
+  def donated(i: int) -> bool:
+    info = args_info[0 if i < bound else i - bound + bool(bound)]
+    return all(leaf.donated for leaf in jax.tree.leaves(info))
+
+  return [i for i in positions if not donated(i)]
 
 
 @contextlib.contextmanager
@@ -170,9 +173,13 @@ def check_step(
 ) -> StepReport:
   """Compiles `step` for `args` and reports what its micro-step does.
 
-  `step` is the user's train step, ``jax.jit``- or ``nnx.jit``-wrapped as it
-  runs (its donation included); one of `args` holds the optimizer state with
-  an :class:`~optax_accum.AccumulateState`. Found problems name their fix:
+  `step` is the user's train step, ``jax.jit``-, ``nnx.jit``- or
+  ``nnx.jit_partial``-wrapped as it runs (its donation included); one of
+  `args` holds the optimizer state with an
+  :class:`~optax_accum.AccumulateState`. For an ``nnx.jit_partial`` step,
+  pass the objects bound to it first, as its function takes them
+  (``check_step(step, model, optimizer, batch)``). Found problems name their
+  fix:
 
   * an argument holding the state or the params that is not donated
     ("donate argument i"): the accumulator is then copied, not updated in
@@ -191,10 +198,12 @@ def check_step(
   * temporary memory above the accumulator's size.
 
   Args:
-    step: A ``jax.jit`` or ``nnx.jit``-wrapped function (a plain function
-      is jitted here, without donation, and reported so).
-    *args: Its arguments (arrays, ``jax.ShapeDtypeStruct``, NNX modules),
-      static ones included, as the step takes them.
+    step: A ``jax.jit``, ``nnx.jit`` or ``nnx.jit_partial``-wrapped
+      function (a plain function is jitted here, without donation, and
+      reported so).
+    *args: Its function's arguments (arrays, ``jax.ShapeDtypeStruct``, NNX
+      modules), static ones included, as it takes them: for an
+      ``nnx.jit_partial`` step, the bound objects too.
     emit: Whether the step is a static one (``emit=True/False`` inside):
       then no conditional is expected.
     target: None to compile for this machine, or a deviceless target of
@@ -232,6 +241,7 @@ def check_step(
   """
   if not hasattr(step, "lower"):
     step = jax.jit(step)
+  bound = _bound_count(step, args)
   states = _accumulate_states(args)
   if len(states) != 1:
     raise ValueError(
@@ -242,19 +252,51 @@ def check_step(
   if target is not None:
     args = _plan.placed(args, _plan.where_to_compile(target, None).mesh)
   with _watching() as events:
-    _fresh_trace(step, args)
-  lowered = step.lower(*args)
+    _fresh_trace(step, args, bound)
+  lowered = step.lower(*args[bound:])
   lowered = getattr(lowered, "lowered", lowered)  # nnx.jit's stage wraps it
-  report = _compiled_facts(lowered, args, *states[0], emit, axis_name)
-  problems = _donation_problems(report.undonated) + _trace_problems(events)
+  report = _compiled_facts(lowered, args, *states[0], emit, axis_name, bound)
+  problems = _donation_problems(report.undonated, bound)
+  problems += _trace_problems(events)
   problems += _program_problems(report, events, emit)
   return dataclasses.replace(report, problems=tuple(problems))
 
 
-def _fresh_trace(step: Any, args: tuple) -> None:
+def _bound_count(step: Any, args: tuple) -> int:
+  """How many of `args` an ``nnx.jit_partial`` `step` holds already (its
+  bound objects, flattened to their Variables when it was made); 0 for
+  another step."""
+  bound = getattr(step, "partial_args", None)
+  if bound is None or not hasattr(step, "jitted_fn"):
+    return 0
+  from flax import nnx  # noqa: PLC0415  (an NNX step: flax is there)
+
+  def is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+  for n in range(len(args) + 1):
+    flat = jax.tree.leaves(args[:n], is_leaf=is_variable)
+    if len(flat) == len(bound) and all(
+      a is b for a, b in zip(flat, bound, strict=True)
+    ):
+      return n
+  raise ValueError(
+    "`step` is an nnx.jit_partial: pass the objects bound to it first, as"
+    " its function takes them, e.g. check_step(step, model, optimizer,"
+    " batch)."
+  )
+
+
+def _fresh_trace(step: Any, args: tuple, bound: int = 0) -> None:
   """Traces the step's function in a new wrapper (with the same static
   arguments): a trace of `step` itself may be cached and run no Python,
   and then no ``update`` or ``apply_updates`` call would be seen."""
+  if bound:  # nnx.jit_partial: its function, over all the objects
+    from flax import nnx  # noqa: PLC0415
+
+    function = step.fun.__wrapped__
+    nnx.jit(lambda *a: function(*a), graph=False).trace(*args)
+    return
   jitted = getattr(step, "jitted_fn", step)  # nnx.jit holds a jax.jit
   info = getattr(jitted, "_jit_info", None)
   function = getattr(step, "fun", None) or getattr(step, "__wrapped__", step)
@@ -278,9 +320,10 @@ def _fresh_trace(step: Any, args: tuple) -> None:
 
 
 def _compiled_facts(
-  lowered, args, state_position, state, emit, axis_name
+  lowered, args, state_position, state, emit, axis_name, bound=0
 ) -> StepReport:
-  """The report's figures, without the problems."""
+  """The report's figures, without the problems (`bound`: the first
+  `bound` of `args` are an ``nnx.jit_partial``'s, its argument 0)."""
   compiled = lowered.compile()
   program = _program.Program(compiled)
   acc_bytes = [
@@ -304,7 +347,7 @@ def _compiled_facts(
     temp_bytes=int(getattr(memory, "temp_size_in_bytes", 0)) if memory else 0,
     conditionals=program.conditionals(),
     copies=copies,
-    undonated=tuple(_undonated(lowered, sorted(set(positions)))),
+    undonated=tuple(_undonated(lowered, sorted(set(positions)), bound)),
     reductions=reductions,
     footprint_bytes=footprint,
   )
@@ -331,15 +374,17 @@ def _reductions(
   return tuple(f"{c.opcode} {c.name}: {c.bytes} bytes" for c in found)
 
 
-def _donation_problems(undonated: tuple[int, ...]) -> list[str]:
+def _donation_problems(undonated: tuple[int, ...], bound: int = 0) -> list[str]:
   if not undonated:
     return []
   which = ", ".join(map(str, undonated))
+  how = f"jax.jit(..., donate_argnums={tuple(undonated)}) (or nnx.jit's)"
+  if bound:
+    how = "nnx.jit_partial(..., donate_argnums=0) (its bound objects)"
   return [
     f"argument(s) {which} (the optimizer state / params) not donated:"
-    f" donate them, jax.jit(..., donate_argnums={tuple(undonated)}) (or"
-    " nnx.jit's), so"
-    " that the accumulator and the params are updated in place, not copied"
+    f" donate them, {how}, so that the accumulator and the params are"
+    " updated in place, not copied"
   ]
 
 
