@@ -946,22 +946,66 @@ def _apply_inside(
 def _end_cycle_now(
   config: Config, engine: Local, inner: Inner, cycle: Cycle
 ) -> Result:
-  """``emit=True``: the caller says this call ends the cycle. No
-  conditional (see :func:`_run_inner_on_mean`); the accumulator is left at
-  zeros (the reduced sum's: see ``_engines.py``)."""
+  """``emit=True``: the caller says this call ends the cycle. With
+  ``axis_name``, no conditional (see :func:`_run_inner_on_mean`) and the
+  accumulator left at zeros (the reduced sum's: see ``_engines.py``).
+
+  On one device with the params given, the params are updated here too
+  (what :func:`optax_accum.apply_updates` returns), and a program compiled
+  for CPU runs the inner optimizer in a conditional of its own that applies
+  them in place (:func:`_inner_where_weighted`) and leaves the accumulator
+  as leftovers: the cycle's sum beside its weight (-inf for a weightless
+  cycle's), which the next call does not read (:func:`_cycle_start`).
+  XLA:CPU fuses neither the zeroing pass nor the applying pass into the
+  optimizer's kernels at the top level of a program: the emitting step was
+  1.7x the traced one's at 64 MB (``benchmarks/bench_loop.py``).
+  """
   mean_sq = None
   if config.track_noise_scale and engine.axis_name is None:
     mean_sq = _mean_sq_norm(cycle.acc, cycle.weight)
-  done = _run_inner_on_mean(
-    config, engine, inner, cycle, mean_sq, static=True, weight_checked=False
-  )
   always = _control.traced_true(cycle.micro_step)
+  if engine.axis_name is not None or cycle.params is None:
+    done = _run_inner_on_mean(
+      config, engine, inner, cycle, mean_sq, static=True, weight_checked=False
+    )
+    acc = engine.cleared(always, cycle.acc, done.total)
+    return _ended_now(done, acc, jnp.zeros_like(cycle.weight), None)
+
+  def leftovers(cycle, mean_sq):
+    done = _run_inner_on_mean(
+      config,
+      engine,
+      inner,
+      cycle,
+      mean_sq,
+      static=True,
+      weight_checked=False,
+      apply=True,
+    )
+    weight = jnp.where(cycle.weight == 0, -jnp.inf, cycle.weight)
+    return done, cycle.acc, weight
+
+  def zeros(cycle, mean_sq):
+    done = _run_inner_on_mean(
+      config, engine, inner, cycle, mean_sq, static=True, weight_checked=False
+    )
+    done = done._replace(params=optax.apply_updates(cycle.params, done.updates))
+    acc = _control.cleared(always, cycle.acc, engine)
+    return done, acc, jnp.zeros_like(cycle.weight)
+
+  done, acc, acc_weight = _per_backend(
+    cycle, mean_sq, cpu=leftovers, accelerator=zeros
+  )
+  return _ended_now(done, acc, acc_weight, done.params)
+
+
+def _ended_now(done: "Ran", acc: Any, acc_weight: Any, new_params: Any):
   return Result(
     updates=done.updates,
     updated=done.updated,
-    new_params=None,
-    acc=engine.cleared(always, cycle.acc, done.total),
-    acc_weight=jnp.zeros_like(cycle.weight),
+    new_params=new_params,
+    acc=acc,
+    acc_weight=acc_weight,
     noise=done.noise,
     inner_state=done.inner_state,
     cycle_ends=jnp.asarray(True),
@@ -1048,15 +1092,16 @@ def _run_inner_on_mean(
   Args:
     mean_sq: ``|mean gradient|^2`` measured before, or None to measure the
       reduced sum here (with the noise scale tracked).
-    static: the caller knew at trace time that the call ends the cycle (no
-      conditional): the leaves are reduced one by one, so that each may
-      start as soon as its gradient is added; selects keep a weightless
-      cycle's result out.
+    static: the caller knew at trace time that the call ends the cycle:
+      with ``axis_name``, no conditional (the leaves are reduced one by
+      one, so that each may start as soon as its gradient is added;
+      selects keep a weightless cycle's result out); on one device as
+      below.
     weight_checked: the caller runs this only for a positive (or NaN) total
-      weight; otherwise :func:`_inner_where_weighted` keeps a weightless cycle's
-      result out.
+      weight; otherwise :func:`_inner_where_weighted` keeps a weightless
+      cycle's result out.
     apply: also apply the updates to the params (when given), next to
-      `inner` (not with `static`).
+      `inner`.
   """
   total, weight, noise = cycle.acc, cycle.weight, cycle.noise
   if engine.axis_name is not None:  # The sums over the devices.
@@ -1078,7 +1123,8 @@ def _run_inner_on_mean(
   select_ = functools.partial(_run_then_select, config, inner, apply)
   if weight_checked:
     updates, inner_state, params = run(updated, *operands)
-  elif static:
+  elif static and engine.axis_name is not None:
+    # No conditional: each leaf's reduction may start during the backward.
     updates, inner_state, params = select_(updated, *operands)
   else:
     skip = functools.partial(_skip_inner, inner)

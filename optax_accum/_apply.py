@@ -174,14 +174,14 @@ def _route(record: _Record | None, params: Any, emitted: jax.Array) -> str:
   per the contract), ``"eager"`` (a concrete decision), or ``"fallback"``
   (updates or params other than the update's, applied in a conditional of
   their own)."""
-  if record is not None and isinstance(record.emitted, bool):
-    return "static"
   if (
     record is not None
     and record.new_params is not None
     and _same(record.params, params)
   ):
     return "applied"
+  if record is not None and isinstance(record.emitted, bool):
+    return "static"
   if not isinstance(emitted, jax.core.Tracer):
     return "eager"
   return "fallback"

@@ -15,6 +15,8 @@ are never read; the GPU/TPU form throws them away with their cycle: one
 cycle without an update, never a wrong one.
 """
 
+import functools
+
 import _common
 import chex
 import jax
@@ -173,14 +175,20 @@ def _assert_fresh(state):
 def test_both_forms_give_the_same_run(monkeypatch, scenario, jit):
   cpu = _trajectory(monkeypatch, "cpu", scenario, jit=jit)
   accelerator = _trajectory(monkeypatch, "accelerator", scenario, jit=jit)
+  # Bit for bit, but where a static emitting step runs the inner optimizer:
+  # in a conditional in the CPU form, under selects in the GPU/TPU one,
+  # which XLA:CPU fuses apart (adam's moments 1 ulp apart).
+  same = chex.assert_trees_all_equal
+  if scenario == "static":
+    same = functools.partial(chex.assert_trees_all_close, rtol=1e-6, atol=0)
   for (p, s, u), (q, t, v) in zip(cpu, accelerator, strict=True):
-    chex.assert_trees_all_equal(u, v, strict=True)
-    chex.assert_trees_all_equal(p, q, strict=True)
+    same(u, v, strict=True)
+    same(p, q, strict=True)
     # The whole state, leftovers read as what they mean.
-    chex.assert_trees_all_equal(_meaning(s), _meaning(t), strict=True)
+    same(_meaning(s), _meaning(t), strict=True)
     if int(t.micro_step) == 0:  # a cycle boundary: zeros on GPU/TPU
       _assert_fresh(t)
-    shares = scenario not in ("static", "bf16_accumulator", *BF16_PARAMS)
+    shares = scenario not in ("bf16_accumulator", *BF16_PARAMS)
     if int(s.micro_step) == 0 and shares and s.emitted:
       # The CPU form leaves the updates where they fit the accumulator's
       # buffer (float32 updates fit no bfloat16 one), marked by the weight.
@@ -202,8 +210,8 @@ def _cycle(tx, state, params, start, static):
 def test_a_state_resumes_in_the_other_form(monkeypatch, first, static):
   """Saved by one form at a cycle boundary and mid-cycle, resumed by the
   other: the run goes on bit for bit as in the first form; except that the
-  GPU/TPU form throws the CPU form's leftovers (a traced cycle's end) away
-  with their cycle, and then goes on as from a clean start."""
+  GPU/TPU form throws the CPU form's leftovers (a cycle's end, traced or
+  static) away with their cycle, and then goes on as from a clean start."""
   other = "cpu" if first == "accelerator" else "accelerator"
   params = _common.params()
 
@@ -218,7 +226,7 @@ def test_a_state_resumes_in_the_other_form(monkeypatch, first, static):
     return out
 
   unswitched, switched = run([first] * 3), run([first, other, other])
-  if first == "cpu" and not static:
+  if first == "cpu":
     (updates, state), (after, _) = switched[1:]
     assert not optax_accum.has_updated(state) and int(state.step) == 1
     chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, updates))

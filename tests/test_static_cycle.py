@@ -91,9 +91,15 @@ def test_static_loop_equals_the_traced_run_and_the_big_batch(
   _close(static, _big_batch(optax.adam(0.1), [range(3), range(3, 6)], weights))
   for field in ("step", "micro_step", "every_k", "num_skipped"):
     assert int(getattr(s_state, field)) == int(getattr(t_state, field)), field
-  chex.assert_trees_all_equal(
-    s_state.acc_grads, jax.tree.map(jnp.zeros_like, s_state.acc_grads)
-  )
+  # No cycle open: zeros, or (a program compiled for CPU) the cycle's
+  # leftovers, marked by its weight, which no call reads
+  # (tests/test_backend_forms.py).
+  if float(s_state.acc_weight) == 0:
+    chex.assert_trees_all_equal(
+      s_state.acc_grads, jax.tree.map(jnp.zeros_like, s_state.acc_grads)
+    )
+  else:
+    assert int(s_state.micro_step) == 0
 
 
 def test_traced_and_static_calls_mix(maybe_jit):
@@ -255,8 +261,13 @@ def test_a_static_micro_step_has_no_conditional_and_no_optimizer():
   micro = _program_of(False)
   assert micro.conditionals() == 0
   assert not micro.runs_every_call(ADAM_OPS)
+  # The emitting step compiled for CPU runs the optimizer in the one
+  # conditional that keeps a weightless cycle's result out, where XLA:CPU
+  # updates the state and the params in place (a GPU/TPU program selects
+  # instead, with no conditional: tests/test_accelerators.py).
   emitting = _program_of(True)
-  assert emitting.conditionals() == 0 and emitting.runs_every_call(ADAM_OPS)
+  assert emitting.conditionals() == 1
+  assert not emitting.runs_every_call(ADAM_OPS)
   traced = _program_of(None)
   assert traced.conditionals() >= 1  # the check would see one
 
