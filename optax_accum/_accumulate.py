@@ -34,7 +34,9 @@ and the step should need no memory beyond the accumulator. So:
   starts from zeros, a select fused into it (:func:`_close` and
   :func:`_cycle_start`: where CPU and GPU/TPU programs differ);
 * with ``update(..., emit=True | False)`` the caller says at trace time
-  whether the call ends the cycle: no conditional at all.
+  whether the call ends the cycle: no conditional to decide it (a CPU
+  emitting step runs the inner optimizer in one, see
+  :func:`_end_cycle_now`).
 
 The structure tests (``tests/test_performance_structure.py`` for CPU,
 ``tests/test_accelerators.py`` compiled for an H100 and a TPU v5e) hold the
@@ -150,7 +152,7 @@ def accumulate(
   * ``update(..., flush=True)`` ends the cycle at this call, normalised by
     what it holds (the partial last window of an epoch); ``emit=True`` or
     ``emit=False`` (a Python bool) says at trace time whether this call
-    ends the cycle, and compiles without a conditional;
+    ends the cycle, and compiles without a conditional that decides it;
   * a schedule ``every_k(step)`` is called with the optimizer step; its
     value is rounded down and values below 1 count as 1; under ``jit`` a
     NaN or a value beyond int32 holds the cycle open until ``flush``;
