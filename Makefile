@@ -183,16 +183,15 @@ demo: $(STAMP) $(ACCEL_STAMP)
 adaptive: $(STAMP)
 	$(PY) examples/lm/adaptive.py
 
-# The benchmark suite (~10 min on 2 cores), then the pages' figures.
-# bench_comm's sharded table and bench_compiled compile for accelerators.
+# The benchmark suite (~15 min on 2 cores), then every page's tables
+# (benchmarks/render.py). bench_comm's sharded table, bench_compiled and
+# bench_plan compile for accelerators.
 bench: $(STAMP) $(ACCEL_STAMP)
-	$(PY) benchmarks/bench_step.py
-	$(PY) benchmarks/bench_train.py
-	$(PY) benchmarks/bench_flax_mesh.py
+	$(PY) benchmarks/bench_loop.py
 	JAX_PLATFORMS=cpu PYTHONPATH=$(abspath $(ACCEL)) $(PY) benchmarks/bench_comm.py
 	JAX_PLATFORMS=cpu PYTHONPATH=$(abspath $(ACCEL)) $(PY) benchmarks/bench_compiled.py
 	JAX_PLATFORMS=cpu PYTHONPATH=$(abspath $(ACCEL)) $(PY) benchmarks/bench_plan.py
-	$(PY) benchmarks/render_readme.py
+	$(PY) benchmarks/render.py
 
 # The documentation site (Sphinx; the sources are docs/ and the pages that
 # live beside their code, see docs/conf.py). Warnings are errors (-W),

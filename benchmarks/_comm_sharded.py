@@ -31,7 +31,6 @@ from typing import Any
 import _compiled_steps as steps
 import bench_compiled
 import jax
-from _common import MB, markdown_table
 
 LAYOUTS = ("fsdp", "fsdp1d", "hsdp")
 WIRES = ("f32", "bf16")
@@ -146,51 +145,3 @@ def rows(
       continue
     out += [{**facts, **summary(facts, ks)} for facts in measured]
   return out, skipped
-
-
-def _mib(by_axes: dict[str, int]) -> str:
-  parts = [f"{axes} {b / MB:.0f}" for axes, b in sorted(by_axes.items())]
-  return ", ".join(parts) or "-"
-
-
-def table(rows_: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-  ks = list(rows_[0]["reduced_per_step"]) if rows_ else []
-  header = [
-    "target",
-    "layout",
-    "wire",
-    "reduced every call (MiB, by axes)",
-    "reduced once a step",
-    "as",
-    *[f"per step, k={k}" for k in ks],
-    "all-gathered MiB / call",
-    "accumulator MiB / device",
-  ]
-  body = [
-    [
-      r["target"],
-      r["layout"],
-      r["wire"],
-      _mib(r["reduced_every_call"]),
-      _mib(r["reduced_once"]),
-      ", ".join(r["deferred_opcodes"]) or "-",
-      *[_mib(r["reduced_per_step"][k]) for k in ks],
-      f"{r['gathered_per_call'] / MB:.0f}",
-      f"{r['accumulator_bytes_per_device'] / MB:.0f}",
-    ]
-    for r in rows_
-  ]
-  return header, body
-
-
-def markdown(rows_: list[dict[str, Any]], skipped: dict[str, str]) -> str:
-  text = ""
-  if rows_:
-    params = rows_[0]["param_bytes"] / MB
-    text = (
-      f"Sharded params ({params:.0f} MiB of float32 in 4 layers, 8 devices),"
-      " compiled, bytes per device (reduce-scatters at their input size):\n\n"
-    ) + markdown_table(*table(rows_))
-  for target, reason in skipped.items():
-    text += f"\n{target}: not compiled ({reason}).\n"
-  return text

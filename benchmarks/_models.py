@@ -1,10 +1,9 @@
 """The models the benchmarks train, with their data.
 
-* bench_step: a stack of square tanh layers sized by its param bytes, and
+* bench_loop: a stack of square tanh layers sized by its param bytes, and
   one micro-batch of random inputs and targets (`make_problem`);
-* bench_train: a small decoder-only transformer language model in plain JAX
-  (`ModelConfig`, `init_params`, `make_loss`) and sequences of a synthetic
-  language (`make_data`, `batches_for_step`), so that nothing is downloaded.
+* bench_plan (``_plan_models``): a small decoder-only transformer language
+  model in plain JAX (`ModelConfig`, `init_params`, `make_loss`).
 """
 
 import dataclasses
@@ -14,13 +13,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 # Bytes in a megabyte, as the benchmarks count them (also `_common.MB`).
 MB = 2**20
 
-# --- bench_step: square tanh layers. ---------------------------------------
+# --- bench_loop: square tanh layers. ---------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +66,7 @@ def make_problem(
   return Problem(params, batch, loss, width, layers)
 
 
-# --- bench_train: a decoder-only transformer LM. ---------------------------
+# --- bench_plan: a decoder-only transformer LM. ----------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,25 +146,3 @@ def make_loss(
     ).mean()
 
   return loss
-
-
-def make_data(cfg: ModelConfig, num_sequences: int, seed: int) -> np.ndarray:
-  """Sequences from a random sparse bigram language (4 successors a token)."""
-  rng = np.random.default_rng(seed)
-  successors = rng.integers(0, cfg.vocab, size=(cfg.vocab, 4))
-  probs = np.array([0.55, 0.25, 0.15, 0.05])
-  tokens = np.empty((num_sequences, cfg.seq_len + 1), np.int32)
-  tokens[:, 0] = rng.integers(0, cfg.vocab, size=num_sequences)
-  for t in range(1, cfg.seq_len + 1):
-    choice = rng.choice(4, size=num_sequences, p=probs)
-    tokens[:, t] = successors[tokens[:, t - 1], choice]
-  return tokens
-
-
-def batches_for_step(
-  data: np.ndarray, step: int, k: int, micro_batch: int
-) -> np.ndarray:
-  """The `k * micro_batch` sequences of optimizer step `step` (cycling)."""
-  rows = k * micro_batch
-  start = (step * rows) % (len(data) - rows + 1)
-  return data[start : start + rows]

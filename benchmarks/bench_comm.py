@@ -48,6 +48,8 @@ Usage::
   python benchmarks/bench_comm.py                 # a few minutes
   JAX_PLATFORMS=cpu PYTHONPATH=.venv/accel python benchmarks/bench_comm.py
   python benchmarks/bench_comm.py --width 2048 --ks 1,4,16,64
+
+It writes ``bench_comm.json``; its tables are ``render.py``'s.
 """
 
 import argparse
@@ -62,30 +64,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from _common import (
-  MB,
   add_run_arguments,
   csv_list,
-  fmt,
-  fmt_spread,
   int_list,
   interleaved,
   machine_info,
-  machine_line,
-  markdown_table,
   median,
   set_cpu_devices,
   spread,
   timed_call,
   tree_bytes,
-  write_outputs,
+  write_json,
 )
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from matplotlib.figure import Figure
-from rich.console import Console
-from rich.progress import Progress
-from rich.table import Table
 
 import optax_accum
 from optax_accum.inspect import collectives
@@ -337,128 +330,6 @@ def measure_k(
 
 
 # ----------------------------------------------------------------------------
-# Reporting.
-# ----------------------------------------------------------------------------
-
-HEADER = (
-  "recipe",
-  "k",
-  "all-reduces",
-  "MiB/step",
-  "bytes ratio",
-  "ms/step",
-  "time ratio",
-)
-
-
-def table_rows(payload: dict[str, Any]) -> list[list[str]]:
-  return [
-    [
-      r["recipe"],
-      str(r["k"]),
-      r["ops_label"],
-      fmt(r["bytes_per_step"] / MB, 2),
-      fmt(r["bytes_ratio_vs_baseline"], 2),
-      fmt_spread(r["step_ms"], 1),
-      fmt_spread(r["time_ratio_vs_baseline"], 2),
-    ]
-    for r in payload["results"]
-  ]
-
-
-def markdown_report(payload: dict[str, Any]) -> str:
-  c, a = payload["config"], payload["args"]
-  text = (
-    "# bench_comm: all-reduce traffic per optimizer step\n\n"
-    f"Machine: {machine_line(payload['machine'])}.\n\n"
-    f"{c['devices']} simulated devices, MLP width {a['width']}"
-    f" ({c['param_bytes'] / MB:.2f} MiB of float32 params),"
-    f" {a['per_device_batch']} examples per device per micro-batch, SGD"
-    " with momentum. Payload = bytes all-reduced per device. Times: median"
-    f" over {a['repeats']} repeats (min-max) of the median of"
-    f" {a['rounds']} interleaved rounds; ratios against `{BASELINE}` in"
-    " the same round. Simulated devices share one process's memory: times"
-    " say little about a real interconnect.\n\n"
-  ) + markdown_table(HEADER, table_rows(payload))
-  others = sum(r["other_collective_ops"] for r in payload["results"])
-  if others:
-    text += (
-      f"\nNote: {others} collective ops other than all-reduce were found"
-      " (see the JSON); their bytes are not counted above.\n"
-    )
-  if payload.get("sharded") or payload.get("sharded_skipped"):
-    text += "\n## Sharded params\n\n" + _comm_sharded.markdown(
-      payload["sharded"], payload["sharded_skipped"]
-    )
-  return text
-
-
-def console_table(payload: dict[str, Any]) -> Table:
-  table = Table(title=f"all-reduce traffic, ratios vs {BASELINE}")
-  for name in HEADER:
-    table.add_column(name, justify="left" if name == "recipe" else "right")
-  for row in table_rows(payload):
-    table.add_row(*row)
-  return table
-
-
-# Marker, line style and a small horizontal offset per recipe: gspmd and
-# psum_each move the same bytes, so their lines would hide one another.
-STYLES = {
-  "gspmd": {"marker": "s", "ls": "--", "color": "C0", "offset": 0.96},
-  "psum_each": {"marker": "o", "ls": "-", "color": "C1", "offset": 1.0},
-  "axis_name": {"marker": "^", "ls": "-", "color": "C2", "offset": 1.04},
-  "jit_unreduced": {"marker": "v", "ls": ":", "color": "C3", "offset": 1.08},
-}
-
-
-def figure(payload: dict[str, Any]) -> Figure:
-  results = payload["results"]
-  fig = Figure(figsize=(10, 4))
-  ax_bytes, ax_time = fig.subplots(1, 2)
-  ks = sorted({r["k"] for r in results})
-  for recipe in RECIPES:
-    style = STYLES[recipe]
-    rows = sorted((r for r in results if r["recipe"] == recipe), key=_k)
-    xs = [r["k"] * style["offset"] for r in rows]
-    common = {
-      "marker": style["marker"],
-      "ls": style["ls"],
-      "color": style["color"],
-      "markerfacecolor": "none",
-      "label": recipe,
-    }
-    ax_bytes.plot(xs, [r["bytes_per_step"] / MB for r in rows], **common)
-    med = np.array([r["step_ms"]["median"] for r in rows])
-    low = med - np.array([r["step_ms"]["min"] for r in rows])
-    high = np.array([r["step_ms"]["max"] for r in rows]) - med
-    ax_time.errorbar(xs, med, yerr=[low, high], capsize=3, **common)
-  for ax, label in (
-    (ax_bytes, "all-reduce payload per step (MiB)"),
-    (ax_time, "time per optimizer step (ms)\nmedian, min-max over repeats"),
-  ):
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ks, [str(k) for k in ks])
-    ax.set_xlabel("k (micro-batches per step)")
-    ax.set_ylabel(label)
-    ax.legend(loc="upper left", fontsize=8, framealpha=0.8)
-  ax_bytes.set_title("gspmd and psum_each move the same bytes", fontsize=9)
-  ax_time.set_title("simulated devices: not a real interconnect", fontsize=9)
-  c = payload["config"]
-  fig.suptitle(
-    f"bench_comm: {c['devices']} host devices,"
-    f" {c['param_bytes'] / MB:.1f} MiB params",
-    fontsize=10,
-  )
-  fig.tight_layout()
-  return fig
-
-
-def _k(row):
-  return row["k"]
-
-
-# ----------------------------------------------------------------------------
 # Entry point.
 # ----------------------------------------------------------------------------
 
@@ -509,19 +380,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   set_cpu_devices(args.devices)  # before anything touches a device
-  console = Console()
-  if not console.is_terminal:
-    console = Console(width=100)
   problem = make_problem(args.width, args.per_device_batch, max(args.ks))
   results = []
-  total = len(args.ks) * (
-    len(RECIPES) + args.repeats * (args.warmup + args.rounds)
-  )
-  with Progress(console=console) as progress:
-    task = progress.add_task("bench_comm", total=total)
-    for k in args.ks:
-      progress.update(task, description=f"k={k}")
-      results += measure_k(k, problem, args, lambda: progress.advance(task))
+  for k in args.ks:
+    print(f"k={k}", flush=True)
+    results += measure_k(k, problem, args, lambda: None)
   sharded, skipped = _comm_sharded.rows(
     args.sharded_targets, args.ks, args.sharded_width
   )
@@ -537,11 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     "sharded": sharded,
     "sharded_skipped": skipped,
   }
-  console.print(console_table(payload))
-  paths = write_outputs(
-    args.out, "bench_comm", payload, markdown_report(payload), figure(payload)
-  )
-  console.print("Wrote " + ", ".join(str(p) for p in paths))
+  print(f"wrote {write_json(args.out, 'bench_comm', payload)}")
   return 0
 
 

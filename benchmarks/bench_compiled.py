@@ -23,14 +23,14 @@ Needs the accelerator compilers on the path and ``JAX_PLATFORMS=cpu``::
 
   JAX_PLATFORMS=cpu PYTHONPATH=.venv/accel python benchmarks/bench_compiled.py
 
-(``make bench`` does this). ``tests/test_accelerators.py`` compiles the
-same steps through :func:`measure`.
+(``make bench`` does this). It writes ``bench_compiled.json``; its tables
+are ``render.py``'s. ``tests/test_accelerators.py`` compiles the same steps
+through :func:`measure`.
 """
 
 import argparse
 import dataclasses
 import json
-import math
 import pathlib
 import subprocess
 import sys
@@ -48,7 +48,6 @@ sys.path[:0] = [
   str(pathlib.Path(__file__).resolve().parents[i]) for i in (0, 1)
 ]
 import _common  # noqa: E402
-import render_readme  # noqa: E402
 from _compiled_steps import (  # noqa: E402
   ADAM_OPS,
   APPLIES,
@@ -139,19 +138,6 @@ def collectives_with_axes(case: Case, compiled) -> list[dict[str, Any]]:
   ]
 
 
-def ratio(
-  facts: dict, floor: dict, path: str = program_reader.MICRO_STEP
-) -> float:
-  """Kernel bytes of a call of `facts` over the floor's."""
-  return facts["bytes"][path] / floor["bytes"][program_reader.MICRO_STEP]
-
-
-def extra_memory(facts: dict, plain: dict) -> float:
-  """Footprint over the plain inner step's, in accumulator bytes."""
-  extra = facts["memory"]["footprint"] - plain["memory"]["footprint"]
-  return extra / facts["accumulator_bytes"]
-
-
 # ----------------------------------------------------------------------------
 # The benchmark.
 # ----------------------------------------------------------------------------
@@ -223,10 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.recipes and {"h100", "h100x8"} & set(args.targets)
     else {},
   }
-  markdown = render(payload)
-  _common.write_outputs(
-    args.out, "bench_compiled", payload, markdown, _figure(payload)
-  )
+  _common.write_json(args.out, "bench_compiled", payload)
   return payload
 
 
@@ -262,105 +245,6 @@ def _summary(facts: dict) -> str:
     f" held={len(facts['held'])}"
     f" temp={facts['memory']['temp'] / mib:.1f}MiB"
   )
-
-
-def _find(rows, **match):
-  for row in rows:
-    if all(row["case"][k] == v for k, v in match.items()):
-      return row
-  return None
-
-
-def render(payload: dict) -> str:
-  """The Markdown tables: one row per step, ratios to the same target's
-  floor (kernel bytes) and plain step (memory)."""
-  rows = payload["rows"]
-  header = [
-    "target",
-    "engine",
-    "dtype",
-    "step",
-    "conditionals",
-    "adam every call",
-    "micro-step bytes / floor",
-    "emitting bytes / floor",
-    "param-sized copies (micro-step)",
-    "weight-gradient GEMMs with the add fused",
-    "extra memory / accumulator",
-  ]
-  table = []
-  for row in rows:
-    c = row["case"]
-    key = dict(target=c["target"], engine=c["engine"], dtype=c["dtype"])
-    floor = _find(rows, variant="floor", **key)
-    plain = _find(rows, variant="plain", **key)
-    gemms = row["wgrad_gemms"]
-    fused = f"{sum(g['fused'] for g in gemms)}/{len(gemms)}" if gemms else "-"
-    step = c["variant"]
-    if step == "accumulate":
-      step += (
-        " + "
-        + {
-          "optax": "optax.apply_updates",
-          "accum": "optax_accum.apply_updates",
-        }[c["apply"]]
-      )
-      if c["emit"] != "traced":
-        step += f" (emit={c['emit'] == 'emit'})"
-    table.append(
-      [
-        c["target"],
-        c["engine"],
-        c["dtype"],
-        step,
-        row["conditionals"],
-        "yes" if row["adam_every_call"] else "no",
-        _common.fmt(ratio(row, floor)) if floor else "-",
-        _common.fmt(ratio(row, floor, "emitting")) if floor else "-",
-        len(row["copies"]["micro-step"]),
-        fused,
-        _common.fmt(extra_memory(row, plain)) if plain else "-",
-      ]
-    )
-  recipes_md = ""
-  if payload.get("recipes"):
-    recipes_md = "\n\nDocumented recipes:\n\n" + (
-      render_readme.bench_compiled_recipes(payload)
-    )
-  return (
-    "Compiled without a device (not timed): "
-    + _common.machine_line(payload["machine"])
-    + "\n\n"
-    + _common.markdown_table(header, table)
-    + recipes_md
-  )
-
-
-def _figure(payload: dict):
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  rows = [r for r in payload["rows"] if r["case"]["variant"] != "floor"]
-  fig, ax = plt.subplots(figsize=(10, 0.3 * len(rows) + 1))
-  labels, values = [], []
-  for r in rows:
-    c = r["case"]
-    floor = _find(
-      payload["rows"],
-      variant="floor",
-      target=c["target"],
-      engine=c["engine"],
-      dtype=c["dtype"],
-    )
-    labels.append(r["name"])
-    values.append(ratio(r, floor) if floor else math.nan)
-  ax.barh(labels, values)
-  ax.axvline(1.0, color="k", lw=0.8)
-  ax.set_xlabel("micro-step kernel bytes / floor (compiled, not timed)")
-  ax.invert_yaxis()
-  return fig
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ cleared), then every divisor of the global batch compiled once to find the
 true largest that fits. Compiles are timed; nothing else is::
 
   JAX_PLATFORMS=cpu PYTHONPATH=.venv/accel python benchmarks/bench_plan.py
+
+It writes ``bench_plan.json``; its table is ``render.py``'s.
 """
 
 import math
@@ -21,14 +23,9 @@ from typing import Any
 import _common
 import _plan_models
 import jax
-import matplotlib
-import render_readme
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-import optax_accum  # noqa: E402
-from optax_accum import _plan  # noqa: E402
+import optax_accum
+from optax_accum import _plan
 
 GIB = 2**30
 
@@ -96,38 +93,6 @@ def measure(name: str, target: str | None, limit: int | None, repeats: int):
   return row
 
 
-def render(payload: dict) -> str:
-  """The page: the table benchmarks/README.md shows (render_readme)."""
-  return _common.markdown_page(
-    "Planning the micro-batch: the planner vs every candidate compiled",
-    payload["machine"],
-    render_readme.bench_plan(payload),
-  )
-
-
-def _figure(payload: dict):
-  fig, ax = plt.subplots(figsize=(7, 3))
-  labels = [f"{r['model']}\n{r['target']}" for r in payload["rows"]]
-  x = range(len(labels))
-  ax.bar(
-    [i - 0.2 for i in x],
-    [r["compiles"] for r in payload["rows"]],
-    0.4,
-    label="planner",
-  )
-  ax.bar(
-    [i + 0.2 for i in x],
-    [r["all_compiles"] for r in payload["rows"]],
-    0.4,
-    label="every candidate",
-  )
-  ax.set_xticks(list(x), labels)
-  ax.set_ylabel("compiles")
-  ax.legend()
-  _common.figure_title(fig, payload)
-  return fig
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser = _common.benchmark_parser(__doc__.split("\n\n")[0])
   parser.add_argument(
@@ -153,9 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     "args": vars(args),
     "rows": rows,
   }
-  _common.write_outputs(
-    args.out, "bench_plan", payload, render(payload), _figure(payload)
-  )
+  print(f"wrote {_common.write_json(args.out, 'bench_plan', payload)}")
   return payload
 
 

@@ -137,7 +137,6 @@ LONGEST_FIRST = (
   "test_accelerators.py",
   "test_plan.py",
   "test_recipes.py",
-  "test_bench_gpu.py",
   "test_benchmarks_smoke.py",
   "test_adaptive_eval.py",
   "test_lm_demo.py",

@@ -1,10 +1,9 @@
-"""Each benchmark script runs end to end at tiny sizes and writes its outputs.
+"""Each benchmark script runs end to end at tiny sizes and writes its results
+file; every page's tables are the renderer's, from the committed results.
 
 A smoke test, never a timed test: it proves the scripts still run against the
-current library (arguments, JSON/Markdown/PNG outputs, the checks they
-print, the traffic bench_comm reads from the compiled HLO), not how fast
-anything is. And the figures of benchmarks/README.md are the ones rendered
-from the committed results files.
+current library (arguments, the JSON they write, the checks they make, the
+traffic bench_comm reads from the compiled HLO), not how fast anything is.
 """
 
 import importlib.util
@@ -21,40 +20,7 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 # Tiny configurations: each run takes seconds.
 SCRIPTS = {
-  "bench_step": [
-    "--sizes-mb",
-    "0.0625",
-    "--ks",
-    "1,2",
-    "--optimizers",
-    "adam",
-    "--dtypes",
-    "float32",
-  ],
-  "bench_train": [
-    "--ks",
-    "2",
-    "--micro-batch",
-    "2",
-    "--seq-len",
-    "8",
-    "--vocab",
-    "32",
-    "--d-model",
-    "16",
-    "--layers",
-    "1",
-    "--heads",
-    "2",
-    "--d-ff",
-    "32",
-    "--check-k",
-    "2",
-    "--check-steps",
-    "2",
-    "--memory-budget-mb",
-    "4",
-  ],
+  "bench_loop": ["--preset", "smoke"],
   "bench_comm": [
     "--devices",
     "4",
@@ -68,11 +34,9 @@ SCRIPTS = {
     "cpu",
     "--sharded-width",
     "64",
+    *("--rounds", "1", "--warmup", "1", "--repeats", "2"),
   ],
-  "bench_flax_mesh": ["--width", "64", "--layers", "1", "--k", "2"],
 }
-# Every script: the fewest rounds, two repeats (so spreads have a range).
-RUN = ["--rounds", "1", "--warmup", "0", "--repeats", "2"]
 
 
 def _run(script, *args):
@@ -92,95 +56,82 @@ def _run(script, *args):
 
 @pytest.fixture(scope="module")
 def run_once(tmp_path_factory):
-  """Runs each script at most once for the whole module."""
+  """Runs each script at most once for the whole module; its JSON."""
   runs = {}
 
   def run(script):
     if script not in runs:
       out_dir = tmp_path_factory.mktemp(script)
-      result = _run(script, *SCRIPTS[script], *RUN, "--out", str(out_dir))
+      out = ["--out", str(out_dir / "loop.json")] if script == "bench_loop" else [
+        "--out",
+        str(out_dir),
+      ]
+      result = _run(script, *SCRIPTS[script], *out)
       runs[script] = (result, out_dir)
     result, out_dir = runs[script]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out_dir
+    name = "loop" if script == "bench_loop" else script
+    assert sorted(p.name for p in out_dir.iterdir()) == [f"{name}.json"]
+    return json.loads((out_dir / f"{name}.json").read_text())
 
   return run
 
 
 @pytest.mark.parametrize("script", list(SCRIPTS))
-def test_script_runs_and_writes_json_markdown_png(script, run_once):
-  tmp_path = run_once(script)
-  for suffix in ("json", "md", "png"):
-    path = tmp_path / f"{script}.{suffix}"
-    assert path.is_file() and path.stat().st_size > 0, f"missing {path.name}"
-  payload = json.loads((tmp_path / f"{script}.json").read_text())
-  for field in (
-    "platform",
-    "cpu_count",
-    "jax",
-    "jaxlib",
-    "optax",
-    "backend",
-    "device_kind",
-  ):
+def test_script_records_the_machine(script, run_once):
+  payload = run_once(script)
+  for field in ("platform", "cpu_count", "jax", "jaxlib", "optax", "backend"):
     assert payload["machine"][field] not in (None, ""), field
-  assert payload["args"]["repeats"] == 2
-  assert (tmp_path / f"{script}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_step_reports_every_variant_and_target(run_once):
-  tmp_path = run_once("bench_step")
-  payload = json.loads((tmp_path / "bench_step.json").read_text())
-  by_k = {r["k"]: r for r in payload["results"]}
-  assert set(by_k) == {1, 2}
-  for r in by_k.values():
-    assert set(r["variants"]) == {
-      "floor",
-      "plain",
-      "accumulate",
-      "accumulate+apply",
-      "accumulate+static",
-      "accumulate+noise",
-      "MultiSteps",
-      "apply_every",
-    }
-    for v in r["variants"].values():
-      assert v["memory"]["footprint"] > 0 and v["emit_ms"] > 0
-  # Micro-step targets exist only when a cycle has micro-steps.
-  assert "micro_vs_floor" not in by_k[1]["checks"]
-  assert set(by_k[2]["checks"]) == set(payload["targets"])
-  assert all(isinstance(c["pass"], bool) for c in by_k[2]["checks"].values())
-  markdown = (tmp_path / "bench_step.md").read_text()
-  assert "PASS" in markdown or "FAIL" in markdown
+def test_bench_loop_times_every_loop_and_checks_its_steps(run_once):
+  """Every loop of _loops.VARIANTS ran every round; each of ours and each
+  MultiSteps loop made one optimizer step per k calls (bench_loop checks,
+  and records what it counted)."""
+  payload = run_once("bench_loop")
+  assert payload["schema"] == "optax_accum.bench_loop/1"
+  assert not payload["failed"], payload["failed"]
+  (config,) = payload["configs"]
+  rounds, k = payload["args"]["rounds"], config["k"]
+  sys.path.insert(0, str(BENCHMARKS))
+  try:
+    from _loops import VARIANTS  # noqa: PLC0415
+  finally:
+    sys.path.remove(str(BENCHMARKS))
+  assert set(config["variants"]) == set(VARIANTS)
+  for name, v in config["variants"].items():
+    assert len(v["segment_s"]) == len(v["emit_s"]) == rounds, name
+    assert all(t > 0 for t in v["segment_s"]), name
+    assert v["footprint"] and v["footprint"] > 0, name
+  steps = config["optimizer_steps"]
+  assert set(steps) == set(VARIANTS) - {"floor", "big_batch"}
+  calls = 2 * k + rounds * (config["cycles_per_segment"] + 1) * k
+  assert set(steps.values()) == {calls // k}
 
 
-def test_bench_train_checks_equivalence_with_the_big_batch(run_once):
-  tmp_path = run_once("bench_train")
-  payload = json.loads((tmp_path / "bench_train.json").read_text())
-  eq = payload["equivalence"]
-  # Same data, same maths: accumulated training matches the big batch.
-  assert eq["accumulate"]["pass"], eq
-  assert [r["k"] for r in payload["throughput"]] == [2]
-  assert (
-    payload["memory_budget"]["accumulate"]["effective_batch"]
-    >= (payload["memory_budget"]["big batch"]["effective_batch"])
+def test_gpu_sh_smoke_on_cpu(tmp_path):
+  """benchmarks/gpu.sh's CPU smoke run: the loop results and its log."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHON=sys.executable)
+  result = subprocess.run(
+    ["bash", str(BENCHMARKS / "gpu.sh"), str(tmp_path), "--smoke"],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=600,
+    check=False,
   )
-
-
-def test_bench_step_records_the_spread_over_repeats(run_once):
-  payload = json.loads((run_once("bench_step") / "bench_step.json").read_text())
-  r = next(r for r in payload["results"] if r["k"] == 2)
-  s = r["spread"]["ratios"]["micro_vs_floor"]
-  assert len(s["values"]) == 2 and s["min"] <= s["median"] <= s["max"]
-  assert s["median"] == pytest.approx(r["ratios"]["micro_vs_floor"])
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu.log", "loop.json"]
+  payload = json.loads((tmp_path / "loop.json").read_text())
+  assert payload["args"]["preset"] == "smoke" and payload["configs"]
+  assert "gpu.sh: exit 0" in (tmp_path / "gpu.log").read_text()
 
 
 def test_bench_comm_counts_deferred_traffic(run_once):
   """Payload per optimizer step grows with k when every micro-batch is
   reduced, and stays at one gradient with `axis_name` (under shard_map or
   plain jit)."""
-  out = run_once("bench_comm")
-  report = json.loads((out / "bench_comm.json").read_text())
+  report = run_once("bench_comm")
   assert report["config"]["devices"] == 4
   rows = {(r["recipe"], r["k"]): r for r in report["results"]}
   assert all(r["other_collective_ops"] == 0 for r in rows.values())
@@ -194,7 +145,6 @@ def test_bench_comm_counts_deferred_traffic(run_once):
   assert deferred["always_bytes"] < 64 and deferred["holding_bytes"] == 0
   assert grad_bytes <= deferred["bytes_per_step"] < grad_bytes + 64
   assert len(deferred["step_ms"]["values"]) == 2
-  assert "| axis_name | 3 |" in (out / "bench_comm.md").read_text()
   # The same under plain jit with unreduced gradients; every call also
   # all-reduces the helper's 4-byte loss.
   unreduced = rows["jit_unreduced", 3]
@@ -203,35 +153,11 @@ def test_bench_comm_counts_deferred_traffic(run_once):
   assert grad_bytes <= unreduced["bytes_per_step"] < grad_bytes + 64
 
 
-def test_bench_flax_mesh_defers_the_reduction_of_the_recipe(run_once):
-  """Read from the compiled steps: only the guide's recipe all-reduces
-  nothing parameter-sized on every call; it copies nothing parameter-sized
-  and needs no more temporary memory than MultiSteps."""
-  out = run_once("bench_flax_mesh")
-  by_devices = json.loads((out / "bench_flax_mesh.json").read_text())["results"]
-  assert set(by_devices) == {"1", "2"}
-  results = by_devices["2"]
-  param_bytes = results["MultiSteps"]["param_bytes"]
-  for name in ("MultiSteps", "drop-in"):
-    assert results[name]["all_reduced_every_call"] >= param_bytes
-  for name in ("drop-in+deferred", "hand-written"):
-    recipe = results[name]
-    assert recipe["all_reduced_every_call"] < 64, name  # the loss, its weight
-    assert recipe["copies"] == 0, name
-    assert recipe["temp_bytes"] <= results["MultiSteps"]["temp_bytes"], name
-    assert len(recipe["speedup"]["values"]) == 2
-  # One device: nothing parameter-sized reduced (a 1-device mesh keeps the
-  # deferred recipe's scalar all-reduce), and the drop-in copies nothing.
-  for name, row in by_devices["1"].items():
-    assert row["all_reduced_every_call"] < 64, name
-  assert by_devices["1"]["drop-in"]["copies"] == 0
-
-
 def test_bench_comm_files_sharded_reductions_by_mesh_axis(run_once):
   """On a (2, 2) mesh: FSDP reduces across replicas every call; HSDP only
   within a replica every call and across replicas once, one shard per
   device; 1-D FSDP once, with a full-size accumulator."""
-  report = json.loads((run_once("bench_comm") / "bench_comm.json").read_text())
+  report = run_once("bench_comm")
   rows = {(r["layout"], r["wire"]): r for r in report["sharded"]}
   assert set(rows) == {
     ("fsdp", "f32"),
@@ -257,16 +183,12 @@ def test_bench_comm_files_sharded_reductions_by_mesh_axis(run_once):
   per_step = hsdp["reduced_per_step"]["3"]
   assert per_step["replica"] == param_bytes // 2
   assert per_step["fsdp"] == 3 * hsdp["reduced_every_call"]["fsdp"]
-  assert (
-    "## Sharded params"
-    in (run_once("bench_comm") / "bench_comm.md").read_text()
-  )
 
 
 def test_bench_compiled_on_cpu_writes_its_facts(tmp_path):
   """bench_compiled.py for the CPU target alone (the accelerator targets
-  are tests/test_accelerators.py's): every step's facts, the Markdown and
-  the figure; on a micro-step, optax_accum.apply_updates is the floor."""
+  are tests/test_accelerators.py's): every step's facts, and only its
+  JSON; on a micro-step, optax_accum.apply_updates is the floor."""
   result = _run(
     "bench_compiled",
     *("--targets", "cpu", "--width", "64", "--layers", "2"),
@@ -284,8 +206,7 @@ def test_bench_compiled_on_cpu_writes_its_facts(tmp_path):
   acc_bytes = 4 * 2 * 64 * 64  # two float32 64x64 layers
   assert ours["bytes"]["micro-step"] <= 1.05 * floor + 2 * acc_bytes
   assert rows["cpu-MultiSteps-local-f32"]["adam_every_call"]
-  for suffix in ("md", "png"):
-    assert (tmp_path / f"bench_compiled.{suffix}").stat().st_size > 0
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_compiled.json"]
 
 
 def test_bench_plan_on_cpu_finds_the_true_largest(tmp_path):
@@ -303,12 +224,11 @@ def test_bench_plan_on_cpu_finds_the_true_largest(tmp_path):
   assert row["micro_batch"] * row["every_k"] == row["global_batch"]
   assert row["compiles"] <= row["bound"]
   assert row["compiles"] < row["all_compiles"]
-  for suffix in ("md", "png"):
-    assert (tmp_path / f"bench_plan.{suffix}").stat().st_size > 0
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_plan.json"]
 
 
 @pytest.mark.parametrize(
-  "script", [*SCRIPTS, "bench_compiled", "bench_plan", "render_readme"]
+  "script", [*SCRIPTS, "bench_compiled", "bench_plan", "render"]
 )
 def test_help(script):
   result = _run(script, "--help")
@@ -316,46 +236,92 @@ def test_help(script):
   assert "usage:" in result.stdout
 
 
-def _render_readme():
-  spec = importlib.util.spec_from_file_location(
-    "render_readme", BENCHMARKS / "render_readme.py"
-  )
+def _render():
+  spec = importlib.util.spec_from_file_location("render", BENCHMARKS / "render.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
 
 
-def test_readme_figures_are_the_results_files():
-  """Every figure in benchmarks/README.md is rendered from
-  benchmarks/results/*.json: the blocks match a fresh rendering, and no
-  decimal number appears outside them."""
-  render = _render_readme()
+def test_every_page_is_its_results_files():
+  """Every results block of every page (the README, the benchmark page, the
+  NNX guide, the HSDP guide, the results pages) matches a fresh rendering;
+  every renderer has a block; no figure of the benchmark page or the README
+  is typed outside a block."""
+  render = _render()
   names = set()
-  for page in render.PAGES:
-    text = page.read_text()
+  pages = {p: p.read_text() for p in render.PAGES}
+  for path, spec in render.RESULT_PAGES.items():
+    assert path.read_text() == render.result_page(*spec), (
+      f"{path.name}: stale, run `python benchmarks/render.py`"
+    )
+    names |= set(spec[1])
+  for page, text in pages.items():
     assert render.render(text) == text, (
       f"{page.name} differs from the results files: run"
-      " `python benchmarks/render_readme.py`"
+      " `python benchmarks/render.py`"
     )
     names |= {m.group("name") for m in render.BLOCK.finditer(text)}
-  assert names == set(render.RENDERERS)
-  text = render.README.read_text()
-  outside = render.BLOCK.sub("", text)
-  # Code blocks hold commands, not figures.
-  outside = re.sub(r"```.*?```", "", outside, flags=re.S)
-  typed = re.findall(r"\b\d+\.\d+x?\b|\b\d+(?:\.\d+)?x\b", outside)
-  assert not typed, f"figures typed by hand outside results blocks: {typed}"
+  assert names == set(render.SECTIONS)
+  for page in (render.PAGES[0], render.PAGES[1]):
+    outside = render.BLOCK.sub("", page.read_text())
+    outside = re.sub(r"```.*?```", "", outside, flags=re.S)
+    typed = re.findall(r"\b\d+\.\d+x\b|\b\d+(?:\.\d+)?x\b", outside)
+    assert not typed, f"{page.name}: ratios typed outside blocks: {typed}"
 
 
-def test_readme_render_catches_a_changed_figure(tmp_path):
+def test_a_changed_figure_is_caught():
   """The check above is not vacuous: a figure edited by hand is found."""
-  render = _render_readme()
-  text = render.README.read_text()
+  render = _render()
+  text = render.PAGES[1].read_text()
   figures = (
-    re.search(r"\| (\d+\.\d\d) ", m.group(0))
-    for m in render.BLOCK.finditer(text)
+    re.search(r"\| (\d+\.\d\d)", m.group(0)) for m in render.BLOCK.finditer(text)
   )
   match = next((m for m in figures if m), None)
   assert match, "no figure in any results block"
-  edited = text.replace(match.group(0), "| 9" + match.group(1)[1:] + " ", 1)
+  edited = text.replace(match.group(0), "| 9" + match.group(1)[1:], 1)
   assert render.render(edited) != edited
+
+
+def test_losses_and_ties_are_marked_and_explained():
+  """A loop that loses or ties is bold in its cell and named in a line
+  under its table; a win is plain; both ratios show where they disagree."""
+  render = _render()
+  config = {
+    "size_mb": 64,
+    "dtype": "float32",
+    "inner": "adam",
+    "k": 4,
+    "param_bytes": 64 * 2**20,
+    "cycles_per_segment": 1,
+    "variants": {
+      name: {"segment_s": seconds, "micro_s": [None], "emit_s": [1.0],
+             "footprint": 1, "init_temp": 0}
+      for name, seconds in {
+        "readme": [1.0, 1.0, 1.0],
+        "multisteps": [2.0, 2.1, 1.9],  # a win: 2x
+        "nnx_jit": [1.0, 1.0, 1.0],
+        "nnx_jit_multisteps": [0.9, 1.1, 1.0],  # a tie
+        "linen": [1.0, 1.0, 1.0],
+        "linen_multisteps": [0.5, 0.6, 0.4],  # a loss
+        # Paired median 1.2x, medians' ratio 0.3x: both shown.
+        "equinox": [1.0, 1.0, 4.0, 4.0, 4.0],
+        "equinox_multisteps": [1.2, 1.2, 1.0, 9.0, 9.0],
+      }.items()
+    },
+  }
+  payload = {
+    "machine": {"device_kind": "cpu", "backend": "cpu", "cpu_count": 2,
+                "jax": "x", "flax": "x", "optax": "x", "equinox": "x",
+                "optax_accum": "x", "timestamp": "2026-11-27"},
+    "args": {"rows": 8, "rounds": 3},
+    "configs": [config],
+  }
+  text = render.loop(payload)
+  rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines()}
+  assert "**" not in rows["jax.jit (README)"]
+  assert "tie**" in rows["NNX, nnx.jit"] and "loss**" in rows["linen TrainState"]
+  assert "- NNX, nnx.jit (tie): " in text
+  assert "- linen TrainState (loss): not explained yet" in text
+  assert "1.20x (0.25-2.25); of medians 0.30x, tie" in rows["equinox"]
+  assert "of medians" not in rows["NNX, nnx.jit"]

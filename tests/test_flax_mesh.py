@@ -13,8 +13,7 @@ split over ``data`` (2 and 8 simulated CPU devices, donated ``nnx.jit``):
   costs at most 1.05x the floor's micro-step kernel bytes, with no
   parameter-sized copy.
 
-Structure only (``memory_analysis()``, the compiled HLO), never a time:
-``benchmarks/bench_flax_mesh.py`` times the micro-steps.
+Structure only (``memory_analysis()``, the compiled HLO), never a time.
 """
 
 import functools

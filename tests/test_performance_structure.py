@@ -11,7 +11,8 @@ and checks a property that makes it fast or small:
   the plain inner step's plus the accumulator and nothing else;
 * it is no larger than ``optax.MultiSteps``' footprint.
 
-``benchmarks/bench_step.py`` measures the same footprints and the times.
+``benchmarks/bench_loop.py`` times the loops around such steps, and
+records their footprints.
 """
 
 import functools

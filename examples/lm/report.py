@@ -16,7 +16,7 @@ LABELS = {
 }
 
 # Why the accumulating runs can show more tokens/s than the big batch, and
-# why a given run may not: benchmarks/bench_train.py measures the same
+# why a given run may not: benchmarks/bench_loop.py measures the same
 # comparison with medians over interleaved rounds.
 TOKENS_PER_S_NOTE = (
   "tokens/s: the accumulating runs push {micro} samples at a time through"
@@ -24,7 +24,7 @@ TOKENS_PER_S_NOTE = (
   " the activation memory (out of cache), so on a quiet machine a"
   " micro-batch often runs faster per token; the optimizer runs once per"
   " step in both. Timings under other load can flip that order (see"
-  " benchmarks/bench_train.py for medians); every other number here is"
+  " benchmarks/bench_loop.py for medians); every other number here is"
   " deterministic."
 )
 
