@@ -70,9 +70,14 @@ def make_tx(cfg: Config, mode: str) -> optax.GradientTransformation:
 
 
 def build(cfg: Config, mode: str) -> tuple[TransformerLM, nnx.Optimizer]:
-  """A freshly initialized model (always the same) and its optimizer."""
+  """A freshly initialized model (always the same) and its optimizer: the
+  drop-in ``optax_accum.flax.Optimizer`` around ``accumulate`` (it applies
+  with ``optax_accum.apply_updates``), ``nnx.Optimizer`` for the big batch."""
   model = TransformerLM(cfg, rngs=nnx.Rngs(cfg.seed))
-  optimizer = nnx.Optimizer(model, make_tx(cfg, mode), wrt=nnx.Param)
+  optimizer_class = nnx.Optimizer
+  if mode != "reference":
+    optimizer_class = optax_accum.flax.Optimizer
+  optimizer = optimizer_class(model, make_tx(cfg, mode), wrt=nnx.Param)
   # Commit the state to a device up front, as the step's outputs will be:
   # otherwise the second step compiles again for committed inputs.
   pair = (model, optimizer)
@@ -103,7 +108,6 @@ def mean_token_loss(model, tokens, lengths):
   return total / count, count
 
 
-@nnx.jit
 def reference_step(model, optimizer, tokens, lengths):
   grad_fn = nnx.value_and_grad(mean_token_loss, has_aux=True)
   (loss, count), grads = grad_fn(model, tokens, lengths)
@@ -111,7 +115,6 @@ def reference_step(model, optimizer, tokens, lengths):
   return loss, count
 
 
-@functools.partial(nnx.jit, static_argnames="weighted")
 def micro_step(model, optimizer, tokens, lengths, weighted: bool):
   """One micro-batch; `optimizer` moves the params only every k-th call."""
   grad_fn = nnx.value_and_grad(mean_token_loss, has_aux=True)
@@ -122,6 +125,22 @@ def micro_step(model, optimizer, tokens, lengths, weighted: bool):
   else:
     optimizer.update(model, grads)  # the bug: every micro-batch counts 1
   return loss, count
+
+
+def fast(step, model, optimizer):
+  """`step` bound to `model` and `optimizer` in flax's fast call form: both
+  flattened once, here, instead of walked in Python on every call as
+  ``nnx.jit`` does; donated, so the params and the accumulator are updated
+  in place. Call it with the rest: ``fast(micro_step, m, o)(tokens,
+  lengths, weighted=True)``."""
+  return nnx.jit_partial(
+    step,
+    model,
+    optimizer,
+    graph=False,
+    static_argnames="weighted" if step is micro_step else None,
+    donate_argnums=0,
+  )
 
 
 @nnx.jit
@@ -167,22 +186,15 @@ def params_of(model: TransformerLM) -> dict:
   return jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
-def run_steps(
-  cfg: Config,
-  model: TransformerLM,
-  optimizer: nnx.Optimizer,
-  mode: str,
-  batch: Samples,
-) -> tuple[float, float]:
-  """One optimizer step of `mode`; returns (big-batch mean loss, tokens)."""
+def run_steps(cfg: Config, step: Any, mode: str, batch: Samples):
+  """One optimizer step of `mode` with `step` (:func:`fast`'s); returns
+  (big-batch mean loss, tokens)."""
   if mode == "reference":
-    loss, count = reference_step(model, optimizer, *batch)
+    loss, count = step(*batch)
     return float(loss), float(count)
   losses, counts = [], []
   for micro in micro_batches(cfg, batch):
-    loss, count = micro_step(
-      model, optimizer, *micro, weighted=mode == "weighted"
-    )
+    loss, count = step(*micro, weighted=mode == "weighted")
     losses.append(loss)
     counts.append(count)
   losses, counts = np.asarray(losses, np.float64), np.asarray(counts)
@@ -207,6 +219,8 @@ def train(
 ) -> RunResult:
   """Trains `mode` from the shared initialization on the shared data."""
   model, optimizer = build(cfg, mode)
+  step_fn = reference_step if mode == "reference" else micro_step
+  step = fast(step_fn, model, optimizer)
   task = None
   if progress is not None:
     task = progress.add_task(
@@ -215,16 +229,14 @@ def train(
   losses, tokens = [], []
   start = time.perf_counter()
   warm = start
-  for step in range(cfg.steps):
-    loss, count = run_steps(
-      cfg, model, optimizer, mode, step_batch(cfg, data.train, step)
-    )
+  for i in range(cfg.steps):
+    loss, count = run_steps(cfg, step, mode, step_batch(cfg, data.train, i))
     losses.append(loss)
     tokens.append(count)
     now = time.perf_counter()
-    if step == 0:
+    if i == 0:
       warm = now
-    tok_s = sum(tokens[1:]) / (now - warm) if step else 0.0
+    tok_s = sum(tokens[1:]) / (now - warm) if i else 0.0
     if task is not None:
       progress.update(task, advance=1, loss=loss, tok_s=tok_s)
   seconds = time.perf_counter() - start
@@ -287,19 +299,21 @@ def resume_check(cfg: Config, data: Data, ckpt_dir: pathlib.Path) -> dict:
   ]
   stop = 2 * cfg.every_k + cfg.every_k // 2
   model, optimizer = build(cfg, mode)
+  step = fast(micro_step, model, optimizer)
   for micro in micros[:stop]:
-    micro_step(model, optimizer, *micro, weighted=True)
+    step(*micro, weighted=True)
   micro_at_save = int(accumulate_state(optimizer).micro_step)
   path = pathlib.Path(ckpt_dir) / f"mid_cycle_{stop}"
   save_checkpoint(path, cfg, mode, model, optimizer)
   for micro in micros[stop:]:
-    micro_step(model, optimizer, *micro, weighted=True)
+    step(*micro, weighted=True)
   uninterrupted = jax.device_get((nnx.state(model), nnx.state(optimizer)))
 
   fresh_model, fresh_optimizer = build(cfg, mode)
   restore_checkpoint(path, cfg, mode, fresh_model, fresh_optimizer)
+  resumed_step = fast(micro_step, fresh_model, fresh_optimizer)
   for micro in micros[stop:]:
-    micro_step(fresh_model, fresh_optimizer, *micro, weighted=True)
+    resumed_step(*micro, weighted=True)
   resumed = jax.device_get((nnx.state(fresh_model), nnx.state(fresh_optimizer)))
 
   same_tree = jax.tree.structure(uninterrupted) == jax.tree.structure(resumed)
