@@ -37,8 +37,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
+from _paths import PAIRS as PAIRS
+from _paths import REFERENCES as REFERENCES
 
 import optax_accum
 
@@ -51,22 +52,6 @@ INNERS: dict[str, Callable[[], optax.GradientTransformation]] = {
   ),
 }
 
-# (path, ours, peer): what each row of the results compares. `bare` and
-# `floor` are references (the README loop over its bare step; the floor
-# over the bare step).
-PAIRS = (
-  ("jax.jit (README)", "readme", "multisteps"),
-  ("jax.jit, emit=", "static", "multisteps"),
-  ("NNX, nnx.jit", "nnx_jit", "nnx_jit_multisteps"),
-  ("NNX, nnx.jit_partial", "nnx_fast", "nnx_fast_multisteps"),
-  ("linen TrainState", "linen", "linen_multisteps"),
-  ("equinox", "equinox", "equinox_multisteps"),
-)
-REFERENCES = (
-  ("README loop / its bare step", "readme", "bare"),
-  ("bare step / floor", "bare", "floor"),
-  ("bare step / one big batch", "bare", "big_batch"),
-)
 VARIANTS = (
   "readme",
   "bare",
@@ -453,7 +438,9 @@ def build(problem: Problem, names: set[str]) -> dict[str, Any]:
       loop.memory = _jit_memory(loop)
     if "multisteps" in name:
       loop.init = init_temp(_multisteps(problem), problem.params)
-    elif name not in ("floor", "big_batch"):
+    elif name in ("floor", "big_batch"):  # the plain optimizer's
+      loop.init = init_temp(problem.inner(), problem.params)
+    else:
       loop.init = init_temp(_ours(problem), problem.params)
   return loops
 
@@ -467,7 +454,3 @@ def _jit_memory(loop: JitLoop) -> int | None:
   ]
   sizes = [s for s in sizes if s is not None]
   return max(sizes) if sizes else None
-
-
-def as_numpy(tree: Any) -> Any:
-  return jax.tree.map(np.asarray, tree)

@@ -26,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE)]
+from _paths import PAIRS, REFERENCES  # noqa: E402  (this folder's)
+
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 MB = 2**20
@@ -60,22 +63,7 @@ def _spread(s: dict[str, Any] | None, digits: int = 2, suffix: str = "") -> str:
 # The whole loop (bench_loop.py, results/loop.json).
 # ----------------------------------------------------------------------------
 
-# (path, ours, peer), as _loops.PAIRS and REFERENCES (not imported: they
-# need jax).
-PAIRS = (
-  ("jax.jit (README)", "readme", "multisteps"),
-  ("jax.jit, emit=", "static", "multisteps"),
-  ("NNX, nnx.jit", "nnx_jit", "nnx_jit_multisteps"),
-  ("NNX, nnx.jit_partial", "nnx_fast", "nnx_fast_multisteps"),
-  ("linen TrainState", "linen", "linen_multisteps"),
-  ("equinox", "equinox", "equinox_multisteps"),
-)
 PAIRS_BY_PATH = {path: (ours, peer) for path, ours, peer in PAIRS}
-REFERENCES = (
-  ("README loop / its bare step", "readme", "bare"),
-  ("bare step / floor", "bare", "floor"),
-  ("bare step / one big batch", "bare", "big_batch"),
-)
 # Why ours loses or ties on a path, as far as measured (the closing notes
 # of issues 51 and 52 give the measurements).
 REASONS = {
@@ -198,20 +186,31 @@ def loop(payload: dict[str, Any]) -> str:
   return "".join(parts)
 
 
+def _mib(nbytes: int | None, digits: int) -> str:
+  return "not measured" if nbytes is None else f"{nbytes / MB:.{digits}f}"
+
+
 def loop_steps(payload: dict[str, Any]) -> str:
   """Each loop's micro-step, emitting step and memory, per configuration."""
   rows = []
   for c in payload["configs"]:
     for name, v in sorted(c["variants"].items()):
       micro = [x for x in v["micro_s"] if x is not None]
+      micro = (
+        "one call a cycle"
+        if name == "big_batch"
+        else f"{statistics.median(micro) * 1e3:.3f}"
+        if micro
+        else "k=1: none"
+      )
       rows.append(
         [
           f"{_size(c)}, {c['dtype']}, {c['inner']}, k={c['k']}",
           f"`{name}`",
-          f"{statistics.median(micro) * 1e3:.3f}" if micro else "k=1: none",
+          micro,
           f"{statistics.median(v['emit_s']) * 1e3:.3f}",
-          "-" if v["footprint"] is None else f"{v['footprint'] / MB:.1f}",
-          "-" if v["init_temp"] is None else f"{v['init_temp'] / MB:.2f}",
+          _mib(v["footprint"], 1),
+          _mib(v["init_temp"], 2),
         ]
       )
   return _table(

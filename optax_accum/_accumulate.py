@@ -525,7 +525,8 @@ def _update(
     axis_name=config.axis_name,
     measures_noise=engine.measures_noise,
   )
-  inner = config.inner(state.every_k)
+  values = _state_lib.unpack(state)  # the state's values, by name
+  inner = config.inner(values.every_k)
   if (
     config.every_k.fixed == 1
     and call.emit is None
@@ -544,7 +545,7 @@ def _update(
     )
 
   # 2. Add the micro-batch into the cycle.
-  cycle, accepted = _add(config, engine, state, updates, call, params)
+  cycle, accepted = _add(config, engine, values, updates, call, params)
   inner = _inner_types(engine, inner, extra_args, updates, cycle)
 
   # 3. End the call: the device decides (traced), or the caller did (emit=).
@@ -558,7 +559,7 @@ def _update(
   # 4. Tell apply_updates what was applied; the next state.
   known = result.updated if call.emit is None else call.emit
   _apply.remember(result.updates, known, params, result.new_params)
-  return result.updates, _next_state(config, state, accepted, cycle, result)
+  return result.updates, _next_state(config, values, accepted, cycle, result)
 
 
 def _inner_alone(inner, grads, state, params, extra_args):
@@ -590,7 +591,7 @@ def _jitted_update(config: Config) -> Callable[..., Any]:
 def _add(
   config: Config,
   engine: Local,
-  state: AccumulateState,
+  state: _state_lib.Values,
   grads: Any,
   call: _checks.Call,
   params: Any,
@@ -683,7 +684,7 @@ def _cycle_start(
 def _add_noise(
   config: Config,
   engine: Local,
-  state: AccumulateState,
+  state: _state_lib.Values,
   grads: Any,
   weight: jax.Array,
   accepted: jax.Array,
@@ -1337,7 +1338,7 @@ def _inner_where_weighted(updated, run, skip, run_then_select, *operands):
 
 def _next_state(
   config: Config,
-  state: AccumulateState,
+  state: _state_lib.Values,
   accepted: jax.Array,
   cycle: Cycle,
   result: Result,

@@ -18,7 +18,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._noise_scale import NoiseStats
-from optax_accum._state import AccumulateState, NoiseScaleState
+from optax_accum._state import AccumulateState, NoiseScaleState, unpack
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -341,8 +341,9 @@ def state(value: Any, track_noise_scale: bool) -> None:
       "`state` must be the AccumulateState returned by this"
       f" transformation's init, got {type(value).__name__}."
     )
-  not_a_foreign_restore(value)
-  tracked = isinstance(value.noise, NoiseScaleState)
+  values = unpack(value)
+  not_a_foreign_restore(values)
+  tracked = isinstance(values.noise, NoiseScaleState)
   if tracked != track_noise_scale:
     raise ValueError(
       "`state` was made by an accumulate with"
@@ -351,7 +352,7 @@ def state(value: Any, track_noise_scale: bool) -> None:
     )
 
 
-def not_a_foreign_restore(value: AccumulateState) -> None:
+def not_a_foreign_restore(value: Any) -> None:
   """Raises if a concrete state holds a sum with no cycle under way, before
   the run's first update (``step`` 0).
 

@@ -7,6 +7,7 @@ readers) accept any optimizer state that holds exactly one
 ``flax.nnx.Optimizer``.
 """
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -281,40 +282,95 @@ def pack(
   """``counters`` and ``acc_scalars`` (a dict of the two fields) from the
   values they hold, with any leading axes the values share (a stacked
   state's)."""
-  ints = [micro_step, step, every_k, num_skipped, emitted]
-  bits = [weight_seen]
-  floats = [acc_weight]
-  tracked = isinstance(noise, NoiseScaleState)
-  if tracked:
-    bits += [jnp.stack([noise.grad_sq, noise.trace], axis=-1)]
-    floats += [noise.sq_norm_sum, noise.count]
-  lead = jnp.broadcast_shapes(
-    *(jnp.shape(x) for x in ints + floats), jnp.shape(weight_seen)[:-1]
-  )
-
-  def column(x, dtype):
-    return jnp.broadcast_to(jnp.asarray(x).astype(dtype), lead)[..., None]
-
-  def words(x):  # float32 values as their bits
-    x = lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
-    return jnp.broadcast_to(x, (*lead, x.shape[-1]))
-
   # In the order of COUNTERS: the five counters, weight_seen, then the
-  # noise scale's grad_sq, trace and cycles, then the controller's.
-  counters = [column(x, jnp.int32) for x in ints] + [words(bits[0])]
-  if tracked:
-    counters += [words(bits[1]), column(noise.cycles, jnp.int32)]
+  # noise scale's grad_sq, trace and cycles, then the controller's. A
+  # "bits" part is float32 values along its last axis, stored as bits.
+  parts = [
+    (x, "int") for x in (micro_step, step, every_k, num_skipped, emitted)
+  ]
+  parts.append((weight_seen, "bits"))
+  sums = [acc_weight]
+  if isinstance(noise, NoiseScaleState):
+    parts += [(jnp.stack([noise.grad_sq, noise.trace], -1), "bits")]
+    parts += [(noise.cycles, "int")]
+    sums += [noise.sq_norm_sum, noise.count]
   if isinstance(grow, GrowState):
-    counters += [
-      column(grow.changed_at, jnp.int32),
-      words(jnp.asarray(grow.micro_batches)[..., None]),
-    ]
+    micro_batches = jnp.asarray(grow.micro_batches)[..., None]
+    parts += [(grow.changed_at, "int"), (micro_batches, "bits")]
+  lead = jnp.broadcast_shapes(
+    *[
+      jnp.shape(x) if kind == "int" else jnp.shape(x)[:-1] for x, kind in parts
+    ],
+    *[jnp.shape(x) for x in sums],
+  )
+  columns = []
+  for x, kind in parts:
+    if kind == "int":
+      x = jnp.broadcast_to(jnp.asarray(x).astype(jnp.int32), lead)[..., None]
+    else:
+      x = lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
+      x = jnp.broadcast_to(x, (*lead, x.shape[-1]))
+    columns.append(x)
   return {
-    "counters": jnp.concatenate(counters, axis=-1),
-    "acc_scalars": jnp.concatenate(
-      [column(x, jnp.float32) for x in floats], axis=-1
+    "counters": jnp.concatenate(columns, axis=-1),
+    "acc_scalars": jnp.stack(
+      [
+        jnp.broadcast_to(jnp.asarray(x).astype(jnp.float32), lead) for x in sums
+      ],
+      axis=-1,
     ),
   }
+
+
+class Values(NamedTuple):
+  """An :class:`AccumulateState`'s values, unpacked by name: what
+  ``update`` reads (:func:`unpack`) and writes (:func:`pack`)."""
+
+  micro_step: jax.Array  # int32[]
+  step: jax.Array  # int32[]
+  every_k: jax.Array  # int32[]
+  num_skipped: jax.Array  # int32[]
+  emitted: jax.Array  # bool[]
+  weight_seen: jax.Array  # float32[2]
+  acc_grads: Any
+  acc_weight: jax.Array  # float32[]
+  inner_state: Any
+  noise: "NoiseScaleState | optax.EmptyState"
+  grow: "GrowState | optax.EmptyState"
+
+
+def unpack(state: AccumulateState) -> Values:
+  """`state`'s values by name, in one pass over its two arrays (what the
+  properties give one by one)."""
+  c, s = jnp.asarray(state.counters), jnp.asarray(state.acc_scalars)
+  bits = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.float32)
+  noise = grow = optax.EmptyState()
+  if c.shape[-1] > _NOISE_AT:
+    at = _NOISE_AT
+    noise = NoiseScaleState(
+      sq_norm_sum=s[..., 1],
+      count=s[..., 2].astype(jnp.int32),
+      grad_sq=bits(c[..., at]),
+      trace=bits(c[..., at + 1]),
+      cycles=c[..., at + 2],
+    )
+  if c.shape[-1] > _GROW_AT:
+    grow = GrowState(
+      changed_at=c[..., _GROW_AT], micro_batches=bits(c[..., _GROW_AT + 1])
+    )
+  return Values(
+    micro_step=c[..., 0],
+    step=c[..., 1],
+    every_k=c[..., 2],
+    num_skipped=c[..., 3],
+    emitted=c[..., 4] != 0,
+    weight_seen=bits(c[..., _WEIGHT_SEEN]),
+    acc_grads=state.acc_grads,
+    acc_weight=s[..., 0],
+    inner_state=state.inner_state,
+    noise=noise,
+    grow=grow,
+  )
 
 
 # The fields that hold one device's own, unreduced sums during a cycle when

@@ -62,10 +62,14 @@ def run_once(tmp_path_factory):
   def run(script):
     if script not in runs:
       out_dir = tmp_path_factory.mktemp(script)
-      out = ["--out", str(out_dir / "loop.json")] if script == "bench_loop" else [
-        "--out",
-        str(out_dir),
-      ]
+      out = (
+        ["--out", str(out_dir / "loop.json")]
+        if script == "bench_loop"
+        else [
+          "--out",
+          str(out_dir),
+        ]
+      )
       result = _run(script, *SCRIPTS[script], *out)
       runs[script] = (result, out_dir)
     result, out_dir = runs[script]
@@ -237,7 +241,9 @@ def test_help(script):
 
 
 def _render():
-  spec = importlib.util.spec_from_file_location("render", BENCHMARKS / "render.py")
+  spec = importlib.util.spec_from_file_location(
+    "render", BENCHMARKS / "render.py"
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -275,7 +281,8 @@ def test_a_changed_figure_is_caught():
   render = _render()
   text = render.PAGES[1].read_text()
   figures = (
-    re.search(r"\| (\d+\.\d\d)", m.group(0)) for m in render.BLOCK.finditer(text)
+    re.search(r"\| (\d+\.\d\d)", m.group(0))
+    for m in render.BLOCK.finditer(text)
   )
   match = next((m for m in figures if m), None)
   assert match, "no figure in any results block"
@@ -295,8 +302,13 @@ def test_losses_and_ties_are_marked_and_explained():
     "param_bytes": 64 * 2**20,
     "cycles_per_segment": 1,
     "variants": {
-      name: {"segment_s": seconds, "micro_s": [None], "emit_s": [1.0],
-             "footprint": 1, "init_temp": 0}
+      name: {
+        "segment_s": seconds,
+        "micro_s": [None],
+        "emit_s": [1.0],
+        "footprint": 1,
+        "init_temp": 0,
+      }
       for name, seconds in {
         "readme": [1.0, 1.0, 1.0],
         "multisteps": [2.0, 2.1, 1.9],  # a win: 2x
@@ -311,16 +323,26 @@ def test_losses_and_ties_are_marked_and_explained():
     },
   }
   payload = {
-    "machine": {"device_kind": "cpu", "backend": "cpu", "cpu_count": 2,
-                "jax": "x", "flax": "x", "optax": "x", "equinox": "x",
-                "optax_accum": "x", "timestamp": "2026-11-27"},
+    "machine": {
+      "device_kind": "cpu",
+      "backend": "cpu",
+      "cpu_count": 2,
+      "jax": "x",
+      "flax": "x",
+      "optax": "x",
+      "equinox": "x",
+      "optax_accum": "x",
+      "timestamp": "2026-11-27",
+    },
     "args": {"rows": 8, "rounds": 3},
     "configs": [config],
   }
   text = render.loop(payload)
   rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines()}
   assert "**" not in rows["jax.jit (README)"]
-  assert "tie**" in rows["NNX, nnx.jit"] and "loss**" in rows["linen TrainState"]
+  assert (
+    "tie**" in rows["NNX, nnx.jit"] and "loss**" in rows["linen TrainState"]
+  )
   assert "- NNX, nnx.jit (tie): " in text
   assert "- linen TrainState (loss): not explained yet" in text
   assert "1.20x (0.25-2.25); of medians 0.30x, tie" in rows["equinox"]
