@@ -372,3 +372,40 @@ def test_what_a_cycle_end_leaves_is_never_read(
   assert all(
     bool(jnp.all(jnp.isfinite(u))) and bool(jnp.any(u != 0)) for u in leaves
   )
+
+
+def test_a_weightless_static_end_on_cpu_is_marked_for_the_other_form(
+  monkeypatch,
+):
+  """A static emit=True that ends a weightless cycle (summed gradients at
+  weight 0: a sum that is not zeros) leaves the sum as leftovers on CPU,
+  marked -inf: resumed by the GPU/TPU form, the next cycle is thrown away
+  (no update, never a wrong one) and the one after it is a clean start's
+  first; unmarked, the sum would join the next cycle's update."""
+  params = _common.params()
+
+  def tx():
+    return optax_accum.accumulate(optax.sgd(1.0), 2, gradients="sum")
+
+  def cycle(state, start):
+    update = jax.jit(tx().update, static_argnames="emit")
+    for i in range(start, start + 2):
+      updates, state = update(
+        _common.grads(i),
+        state,
+        params,
+        weight=float(start > 0),
+        emit=i % 2 == 1,
+      )
+    return updates, state
+
+  _pin(monkeypatch, "cpu")
+  _, state = cycle(tx().init(params), 0)
+  assert int(state.micro_step) == 0 and float(state.acc_weight) == -jnp.inf
+  _pin(monkeypatch, "accelerator")
+  thrown, state = cycle(state, 2)
+  assert not optax_accum.has_updated(state)
+  chex.assert_trees_all_equal(thrown, jax.tree.map(jnp.zeros_like, thrown))
+  after, _ = cycle(state, 4)
+  clean, _ = cycle(tx().init(params), 4)
+  chex.assert_trees_all_equal(after, clean)

@@ -376,8 +376,8 @@ MUTANTS += [
   _m(
     "emit=True keeps acc_weight",
     "_accumulate.py",
-    "acc_weight=jnp.zeros_like(cycle.weight),",
-    "acc_weight=cycle.weight,",
+    "    return done, acc, jnp.zeros_like(cycle.weight)",
+    "    return done, acc, cycle.weight",
     [FORMS, "-k", "same_run and static"],
     "zeros marked as leftovers: after emit=True, GPU/TPU lose the next cycle",
   ),
@@ -486,6 +486,48 @@ MUTANTS += [
     "grads, opt_state, params",
     [DIFF, "-k", "nnx and jit"],
     "Optimizer.update(weight=, emit=) ignored",
+  ),
+  # -- Issue 52: the packed state, narrow updates on GPU/TPU, the CPU
+  # static end, 0.2 checkpoints. ------------------------------------------
+  _m(
+    "a weightless bf16 cycle's sum kept on GPU/TPU",
+    "_accumulate.py",
+    "    acc = engine.cleared(cycle.ends, cycle.acc, cycle.acc)\n",
+    "    acc = cycle.acc\n",
+    [FORMS, "-k", "bf16_params"],
+    "a weightless cycle's sum (bf16 params, GPU/TPU) joins the next cycle",
+  ),
+  _m(
+    "bf16 cycle on GPU/TPU folds no noise",
+    "_accumulate.py",
+    "    ran = (done.inner_state, done.noise, done.updated)",
+    "    ran = (done.inner_state, cycle.noise, done.updated)",
+    [FORMS, "-k", "bf16_params"],
+    "noise_scale never moves with bf16 params on GPU/TPU",
+  ),
+  _m(
+    "a weightless static CPU end unmarked",
+    "_accumulate.py",
+    "    weight = jnp.where(cycle.weight == 0, -jnp.inf, cycle.weight)",
+    "    weight = cycle.weight",
+    [FORMS, STATIC, EDGES, "-k", "static or weightless"],
+    "after emit=True on a weightless cycle, its sum is read as a cycle",
+  ),
+  _m(
+    "the counters packed out of order",
+    "_state.py",
+    "    micro_step=c[..., 0],\n    step=c[..., 1],",
+    "    micro_step=c[..., 1],\n    step=c[..., 0],",
+    [ACC, "-k", "jit and not nojit"],
+    "micro_step and step swapped after one call",
+  ),
+  Mutant(
+    "a 0.2 checkpoint loses its weight_seen",
+    "optax_accum/upgrade.py",
+    "    weight_seen=old.weight_seen,",
+    "    weight_seen=jnp.zeros(2),",
+    ("tests/test_upgrade.py",),
+    "a resumed 0.2 run's weight schedule starts over",
   ),
 ]
 
