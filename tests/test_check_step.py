@@ -120,7 +120,7 @@ def test_a_static_step_passes_when_told(emit):
     return optax_accum.apply_updates(params, updates, state), state
 
   assert _check(step, tx, emit=emit).problems == ()
-  assert any("no conditional" in p for p in _check(step, tx).problems)
+  assert any("pass emit= here" in p for p in _check(step, tx).problems)
 
 
 def test_args_without_an_accumulate_state_name_the_argument():

@@ -113,7 +113,8 @@ def _undonated(lowered: Any, positions: list[int], bound: int = 0) -> list[int]:
 def _watching():
   """Collects, in the list it yields, what the traces it covers did: one
   ``"update"`` per traced ``accumulate`` update that recorded its updates
-  for :func:`optax_accum.apply_updates`, and one entry per
+  for :func:`optax_accum.apply_updates` (``"static update"`` where it was
+  given ``emit=``), and one entry per
   ``apply_updates`` call naming how it applied (``_apply._route``:
   ``"applied"``, ``"static"``, ``"eager"`` or ``"fallback"``).
 
@@ -125,10 +126,10 @@ def _watching():
   events: list[str] = []
   remember, route = _apply.remember, _apply._route
 
-  def watched_remember(*args, **kwargs):
-    recorded = remember(*args, **kwargs)
-    if recorded:
-      events.append("update")
+  def watched_remember(updates, emitted, *args, **kwargs):
+    recorded = remember(updates, emitted, *args, **kwargs)
+    if recorded:  # emit= given: the update knew at trace time
+      events.append("static update" if isinstance(emitted, bool) else "update")
     return recorded
 
   def watched_route(*args, **kwargs):
@@ -145,7 +146,7 @@ def _watching():
 
 def _trace_problems(events: list[str]) -> list[str]:
   problems = []
-  updates = events.count("update")
+  updates = events.count("update") + events.count("static update")
   applied = sum(events.count(e) for e in ("applied", "static"))
   if "fallback" in events:
     problems.append(
@@ -390,7 +391,12 @@ def _donation_problems(undonated: tuple[int, ...], bound: int = 0) -> list[str]:
 
 def _program_problems(report: StepReport, events, emit) -> list[str]:
   problems = []
-  if emit is None and events.count("update") and not report.conditionals:
+  if emit is None and "static update" in events:
+    problems.append(
+      "no conditional is expected: the step passes emit= to update (a"
+      " static cycle); pass emit= here too"
+    )
+  elif emit is None and events.count("update") and not report.conditionals:
     problems.append(
       "no conditional: the inner optimizer runs on every call (a lax.cond"
       " turned into selects); if the step passes emit=, pass emit= here"
