@@ -144,15 +144,20 @@ def accumulate(
 
   * a micro-batch of weight 0 counts toward :math:`k` but contributes
     nothing, even with a NaN or Inf gradient (the 0/0 mean of an
-    all-padding micro-batch); a cycle whose total weight is not positive
-    emits zeros and leaves ``inner``'s state and ``step`` unchanged. A
-    concrete negative weight raises, and so does a concrete NaN or Inf one
-    unless ``skip_nonfinite``; a traced weight is used as given (a NaN or
-    Inf one makes the cycle's gradient NaN);
+    all-padding micro-batch; with ``gradients="sum"``, only under
+    ``skip_nonfinite``: without it a summed gradient is added as is, so
+    that XLA fuses the add into the GEMM); a cycle whose total weight is
+    not positive emits zeros and leaves ``inner``'s state and ``step``
+    unchanged. A concrete negative weight raises, and so does a concrete
+    NaN or Inf one unless ``skip_nonfinite``; a traced weight is used as
+    given (a NaN or Inf one makes the cycle's gradient NaN);
   * ``update(..., flush=True)`` ends the cycle at this call, normalised by
     what it holds (the partial last window of an epoch); ``emit=True`` or
     ``emit=False`` (a Python bool) says at trace time whether this call
-    ends the cycle, and compiles without a conditional that decides it;
+    ends the cycle, and compiles without a conditional that decides it
+    (``emit=False`` past :math:`k` keeps the cycle open; with a fixed
+    ``every_k=1`` it raises: there a call without ``emit`` runs ``inner``
+    alone and would not read a cycle held open);
   * a schedule ``every_k(step)`` is called with the optimizer step; its
     value is rounded down and values below 1 count as 1; under ``jit`` a
     NaN or a value beyond int32 holds the cycle open until ``flush``;
@@ -520,6 +525,7 @@ def _update(
     flush=flush,
     emit=emit,
     noise_stats=noise_stats,
+    fixed_every_k=config.every_k.fixed,
     skip_nonfinite=config.skip_nonfinite,
     track_noise_scale=config.track_noise_scale,
     axis_name=config.axis_name,
@@ -617,11 +623,14 @@ def _add(
 
   keep = accepted if config.skip_nonfinite else None
   scale = weighted and config.gradients == "mean"
-  if scale:
+  if scale or (weighted and config.skip_nonfinite):
+    # A zero-weight term counts for nothing, even NaN: with skip_nonfinite
+    # the add selects already, so gradients="sum" keeps that rule too.
     nonzero = weight != 0
     keep = nonzero if keep is None else keep & nonzero
-  # gradients="sum": the gradient carries its weight already; adding it as
-  # is lets every GEMM backend fuse the add (cuBLAS only with no scale).
+  # gradients="sum" without skip_nonfinite: the gradient carries its weight
+  # already; adding it as is, with no select, lets every GEMM backend fuse
+  # the add (cuBLAS only with no scale).
   acc = jax.tree.map(
     lambda a, g: add_term(
       a, g, ops=engine, weight=weight if scale else None, keep=keep
@@ -1111,7 +1120,7 @@ def _run_inner_on_mean(
     total, weight, noise = _reduce(
       config, engine, inner, total, weight, noise, static
     )
-  inv_weight = _inverse_weight(weight)
+  inv_weight = _inverse_weight(weight, total)
   if isinstance(noise, NoiseScaleState):
     if mean_sq is None:  # The global mean, known only after the reduction.
       mean_sq = _noise_scale.sq_norm(total, inv_weight, config.axis_name)
@@ -1168,9 +1177,17 @@ def _reduce(
   return acc, scalars[0], noise
 
 
-def _inverse_weight(total_weight: jax.Array) -> jax.Array:
+def _inverse_weight(total_weight: jax.Array, acc: Any = ()) -> jax.Array:
   """1 / W, with 1 for a non-positive W (whose cycle updates nothing); a
-  NaN W stays NaN so that it reaches ``inner``."""
+  NaN W stays NaN so that it reaches ``inner``. In float32, or in float64
+  where `acc` holds a float64 (or complex128) leaf (``jax_enable_x64``): a
+  float32 inverse would round a float64 mean to float32's precision."""
+  dtype = max(
+    (jnp.finfo(compute_dtype(a.dtype)).dtype for a in jax.tree.leaves(acc)),
+    key=lambda d: d.itemsize,
+    default=jnp.dtype(jnp.float32),
+  )
+  total_weight = total_weight.astype(dtype)
   return 1.0 / jnp.where(total_weight <= 0, 1.0, total_weight)
 
 

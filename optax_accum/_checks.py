@@ -231,15 +231,16 @@ def update_call(
   flush: Any,
   emit: Any,
   noise_stats: Any,
+  fixed_every_k: int | None,
   skip_nonfinite: bool,
   track_noise_scale: bool,
   axis_name: Hashable | None,
   measures_noise: bool,
 ) -> Call:
-  """Checks an ``update``'s options, given ``accumulate``'s
-  `skip_nonfinite`, `track_noise_scale` and `axis_name`, and whether the
-  engine measures each gradient's norm itself (`measures_noise`); raises
-  naming the option.
+  """Checks an ``update``'s options, given ``accumulate``'s fixed
+  ``every_k`` (None for a schedule), `skip_nonfinite`, `track_noise_scale`
+  and `axis_name`, and whether the engine measures each gradient's norm
+  itself (`measures_noise`); raises naming the option.
 
   Called before any ``jit`` of the update, so that concrete values are
   seen.
@@ -293,6 +294,15 @@ def update_call(
         f" instead of `flush`; got flush={flush!r} with emit={emit!r}."
       )
     emit = bool(emit)
+    if not emit and fixed_every_k == 1:
+      raise ValueError(
+        "`emit=False` holds the cycle open, but with every_k=1 every call"
+        " ends its cycle: a later call without `emit=` runs the inner"
+        " optimizer alone and would not read the gradients held. For"
+        " cycles the host decides, build accumulate with the longest"
+        " cycle as `every_k` and pass `emit=True` where each ends; got"
+        " emit=False with every_k=1."
+      )
 
   # noise_stats: where the engine needs them, and only there.
   if noise_stats is None:

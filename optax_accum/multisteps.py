@@ -120,11 +120,22 @@ __all__ = (
 )
 
 
+class _FromTx:
+  """The default ``accumulator_dtype`` of :func:`restore_target` and
+  :func:`equivalent`: the one the ``accumulate`` transformation holds."""
+
+  def __repr__(self) -> str:
+    return "<the accumulator_dtype of tx>"
+
+
+_FROM_TX = _FromTx()
+
+
 def restore_target(
   tx: optax.GradientTransformation,
   params: optax.Params,
   *,
-  accumulator_dtype: Any = jnp.float32,
+  accumulator_dtype: Any = _FROM_TX,
 ) -> optax.MultiStepsState:
   """The target to restore a checkpoint of the ``MultiSteps`` run into.
 
@@ -142,7 +153,9 @@ def restore_target(
       the old optimizer).
     params: The params (the tree ``tx.init`` takes).
     accumulator_dtype: The ``MultiSteps`` argument of the same name
-      (float32, its default; ``None``: the params' dtype).
+      (``None``: the params' dtype). By default the one `tx` was built
+      with, which a run that kept its ``accumulator_dtype`` when it moved
+      to ``accumulate`` saved its ``MultiSteps`` checkpoint with.
 
   Returns:
     An ``optax.MultiStepsState`` of zeros and the inner optimizer's
@@ -169,7 +182,7 @@ def restore_target(
 
 
 def equivalent(
-  tx: optax.GradientTransformation, *, accumulator_dtype: Any = jnp.float32
+  tx: optax.GradientTransformation, *, accumulator_dtype: Any = _FROM_TX
 ) -> optax.MultiSteps:
   """The ``optax.MultiSteps`` that `tx` takes the place of.
 
@@ -185,7 +198,8 @@ def equivalent(
 
   Args:
     tx: The transformation :func:`optax_accum.accumulate` returned.
-    accumulator_dtype: The ``MultiSteps`` argument of the same name.
+    accumulator_dtype: The ``MultiSteps`` argument of the same name; by
+      default the one `tx` was built with.
 
   Raises:
     TypeError: If `tx` is not a transformation ``accumulate`` returned.
@@ -201,6 +215,8 @@ def _equivalent(tx: Any, reader: str, accumulator_dtype: Any):
     every_k_schedule = spec.schedule  # both call it with the optimizer step
   else:
     every_k_schedule = int(k)
+  if accumulator_dtype is _FROM_TX:
+    accumulator_dtype = config.accumulator_dtype
   return optax.MultiSteps(
     config.inner(k),
     every_k_schedule=every_k_schedule,

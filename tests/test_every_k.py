@@ -366,3 +366,46 @@ def test_learning_rate_follows_the_cycle_k(maybe_jit):
 def test_inner_for_every_k_rejects_what_is_not_callable():
   with pytest.raises(TypeError, match="`factory`"):
     optax_accum.inner_for_every_k(optax.sgd(0.1))
+
+
+# ----------------------------------------------------------------------------
+# A schedule's value that is no k: NaN, beyond int32.
+# ----------------------------------------------------------------------------
+
+
+def _nan_after_first_step(step):
+  return jnp.where(step >= 1, jnp.nan, 2.0)
+
+
+def test_schedule_nan_raises_when_concrete():
+  """The next cycle's k is decided when a cycle ends: the call ending the
+  first cycle (k = 2 at step 0) finds NaN at step 1 and raises."""
+  tx = optax_accum.accumulate(_common.identity(), _nan_after_first_step)
+  state, params = tx.init(jnp.zeros(2)), jnp.zeros(2)
+  _, state = tx.update(jnp.ones(2), state, params)
+  with pytest.raises(ValueError, match="`every_k` schedule returned NaN"):
+    tx.update(jnp.ones(2), state, params)
+
+
+def test_schedule_nan_under_jit_holds_the_cycle_until_flush():
+  """Never silently k = 1: no update until `flush=True` ends the cycle."""
+  tx = optax_accum.accumulate(_common.identity(), _nan_after_first_step)
+  state, params = tx.init(jnp.zeros(2)), jnp.zeros(2)
+  update = jax.jit(tx.update)
+  emitted = []
+  for i in range(8):
+    _, state = update(jnp.ones(2) * i, state, params)
+    emitted.append(bool(optax_accum.has_updated(state)))
+  assert emitted == [False, True] + [False] * 6
+  out, state = update(jnp.ones(2) * 8, state, params, flush=True)
+  assert bool(optax_accum.has_updated(state))
+  np.testing.assert_allclose(out, jnp.full(2, 5.0))  # mean of 2..8
+
+
+def test_schedule_beyond_int32_holds_the_cycle(maybe_jit):
+  tx = optax_accum.accumulate(_common.identity(), lambda step: 1e12)
+  state, params = tx.init(jnp.zeros(2)), jnp.zeros(2)
+  update = maybe_jit(tx.update)
+  for _ in range(4):
+    _, state = update(jnp.ones(2), state, params)
+  assert int(state.micro_step) == 4 and int(state.step) == 0

@@ -4,6 +4,7 @@
 ``emit=``), and their micro-step leaves the params alone."""
 
 import functools
+from typing import Any
 
 import chex
 import flax.linen as nn
@@ -190,3 +191,122 @@ def test_nnx_micro_step_neither_reads_nor_writes_the_params():
   # the params: at least 2x the param bytes more.
   assert ours.kernel_bytes() + 2 * param_bytes <= stock.kernel_bytes()
   assert not ours.copies(min_bytes=256 * 256 * 4)
+
+
+# ----------------------------------------------------------------------------
+# Every keyword reaches what it names (issue 55): update's options, against
+# the counter alone, and linen's field replacements.
+# ----------------------------------------------------------------------------
+
+_G = (jnp.array([1.0, 2.0]), jnp.array([4.0, -2.0]), jnp.array([-1.0, 8.0]))
+
+# Three calls of sgd(1.0), k=3, from w = 0: each keyword per call, and w
+# after them. The counter alone ends one cycle: w = -mean(_G), unlike each.
+_KEYWORDS = {
+  "weight": (
+    [{"weight": 1.0}, {"weight": 3.0}, {"weight": 0.5}],
+    -(_G[0] + 3 * _G[1] + 0.5 * _G[2]) / 4.5,
+  ),
+  "flush": ([{}, {"flush": True}, {}], -(_G[0] + _G[1]) / 2),
+  "emit_early": (
+    [{"emit": False}, {"emit": True}, {"emit": False}],
+    -(_G[0] + _G[1]) / 2,
+  ),
+  "emit_false_at_k": ([{"emit": False}] * 3, jnp.zeros(2)),
+}
+_COUNTER = -(_G[0] + _G[1] + _G[2]) / 3
+
+
+class _Weights(nnx.Module):
+  def __init__(self):
+    self.w = nnx.Param(jnp.zeros(2))
+
+
+def _nnx_keywords(calls, jit):
+  model = _Weights()
+  optimizer = optax_accum.flax.Optimizer(
+    model, optax_accum.accumulate(optax.sgd(1.0), K), wrt=nnx.Param
+  )
+
+  def step(model, optimizer, x, kwargs):
+    grads = nnx.grad(lambda m: jnp.sum(m.w[...] * x))(model)
+    optimizer.update(model, grads, **kwargs)
+
+  for x, kwargs in zip(_G, calls, strict=True):
+    if jit:
+      emit = kwargs.get("emit")
+      rest = {k: v for k, v in kwargs.items() if k != "emit"}
+      jitted = nnx.jit(
+        lambda m, o, x, rest, emit: step(
+          m, o, x, {**rest, **({} if emit is None else {"emit": emit})}
+        ),
+        static_argnames="emit",
+      )
+      jitted(model, optimizer, x, rest, emit=emit)
+    else:
+      step(model, optimizer, x, kwargs)
+  return model.w[...]
+
+
+def _linen_keywords(calls, jit):
+  state = optax_accum.flax.TrainState.create(
+    apply_fn=None,
+    params={"w": jnp.zeros(2)},
+    tx=optax_accum.accumulate(optax.sgd(1.0), K),
+  )
+
+  def step(state, x, rest, emit=None):
+    options = rest if emit is None else {**rest, "emit": emit}
+    return state.apply_gradients(grads={"w": x}, **options)
+
+  if jit:
+    step = jax.jit(step, static_argnames="emit")
+  for x, kwargs in zip(_G, calls, strict=True):
+    rest = {k: v for k, v in kwargs.items() if k != "emit"}
+    state = step(state, x, rest, emit=kwargs.get("emit"))
+  return state.params["w"]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("keyword", _KEYWORDS)
+@pytest.mark.parametrize("dropin", ["nnx", "linen"])
+def test_each_update_keyword_of_the_dropins_reaches_update(
+  dropin, keyword, jit
+):
+  calls, want = _KEYWORDS[keyword]
+  run = _nnx_keywords if dropin == "nnx" else _linen_keywords
+  got = run(calls, jit)
+  chex.assert_trees_all_close(got, want, rtol=1e-6)
+  assert bool(jnp.any(jnp.abs(got - _COUNTER) > 1e-3))  # not the counter's
+  chex.assert_trees_all_close(run([{}] * 3, jit), _COUNTER, rtol=1e-6)
+
+
+class _BatchNormState(optax_accum.flax.TrainState):
+  """As in flax's BatchNorm guide: a field beside the stock ones."""
+
+  batch_stats: Any = None
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_linen_apply_gradients_replaces_the_fields_it_is_given(jit):
+  """``apply_gradients(grads=g, batch_stats=bs)`` sets batch_stats on every
+  call, micro-step or not, as the stock TrainState does."""
+  state = _BatchNormState.create(
+    apply_fn=None,
+    params={"w": jnp.zeros(2)},
+    tx=optax_accum.accumulate(optax.sgd(1.0), K),
+    batch_stats={"mean": jnp.zeros(2)},
+  )
+
+  def step(state, x, i):
+    return state.apply_gradients(
+      grads={"w": x}, batch_stats={"mean": jnp.full(2, i)}
+    )
+
+  if jit:
+    step = jax.jit(step, donate_argnums=0)
+  for i, x in enumerate(_G):
+    state = step(state, x, jnp.float32(i + 1))
+    chex.assert_trees_all_equal(state.batch_stats["mean"], jnp.full(2, i + 1.0))
+    assert int(state.step) == i + 1
+  chex.assert_trees_all_close(state.params["w"], _COUNTER, rtol=1e-6)

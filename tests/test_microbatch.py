@@ -771,3 +771,28 @@ def test_nnx_example_checks_itself_and_fails_without_weights(capsys):
     example.main(["--help"])
   assert exit_info.value.code == 0
   assert "--num-microbatches" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------
+# A total weight with no mean (moved from tests/test_arguments.py, issue 55).
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("total", [-1.0, float("nan")], ids=["negative", "nan"])
+def test_microbatch_nan_or_negative_total_weight_is_loud(total):
+  grad_fn = optax_accum.microbatch(
+    jax.value_and_grad(lambda p, b: jnp.mean((b["x"] * p) ** 2)),
+    2,
+    weight_fn=lambda micro: total / 2,
+  )
+  batch = {"x": jnp.arange(4.0)}
+  with pytest.raises(ValueError, match=r"`weight_fn` gave .* total weight"):
+    grad_fn(1.0, batch)
+  value, grad = jax.jit(grad_fn)(1.0, batch)  # NaN, never silent zeros
+  assert np.isnan(value) and np.isnan(grad)
+  zero = optax_accum.microbatch(
+    jax.value_and_grad(lambda p, b: jnp.mean((b["x"] * p) ** 2)),
+    2,
+    weight_fn=lambda micro: 0.0,
+  )
+  assert float(zero(1.0, batch)[1]) == 0.0  # all padding: zeros, documented

@@ -97,6 +97,30 @@ def test_accumulate_run_continues_under_multisteps(
   )
 
 
+def test_to_multisteps_keeps_the_skip_state_given():
+  """Back to a MultiSteps with should_skip_update_fn: its skip_state comes
+  from the caller (accumulate keeps a count over the run, MultiSteps the
+  last call's), and the old optimizer runs on from it (issue 55)."""
+  old = optax.MultiSteps(
+    optax.adam(0.05), K, should_skip_update_fn=optax.skip_not_finite
+  )
+  new = optax_accum.accumulate(optax.adam(0.05), K, skip_nonfinite=True)
+  params = _params()
+  unswitched, _ = _run(old, params, old.init(params), range(CALLS))
+  params, state = _run(new, params, new.init(params), range(SWITCH))
+  skip_state = old.init(params).skip_state
+  ms_state = multisteps.to_multisteps(state, skip_state=skip_state)
+  assert jax.tree.structure(ms_state.skip_state) == jax.tree.structure(
+    skip_state
+  )
+  switched, _ = _run(old, params, ms_state, range(SWITCH, CALLS))
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6),
+    switched,
+    unswitched,
+  )
+
+
 def test_without_the_conversion_the_run_differs():
   """Control: the MultiSteps mean taken as the sum, without conversion,
   misses the tolerance above."""

@@ -93,6 +93,65 @@ def test_restore_target_is_the_multisteps_init():
     multisteps.restore_target(optax.chain(optax.clip(1.0), _new()), params)
 
 
+ACCUMULATOR_DTYPES = {
+  "float32": jnp.float32,
+  "None": None,
+  "bf16": jnp.bfloat16,
+}
+
+
+@pytest.mark.parametrize(
+  "accumulator_dtype", ACCUMULATOR_DTYPES.values(), ids=ACCUMULATOR_DTYPES
+)
+def test_restore_target_takes_the_accumulator_dtype_of_tx(
+  tmp_path, accumulator_dtype
+):
+  """A run that kept its accumulator_dtype when it moved saved its
+  MultiSteps checkpoint with that dtype: the target has it (bf16 params
+  tell None from float32), the restore keeps it, and the run goes on; an
+  explicit accumulator_dtype= still wins (issue 55)."""
+  params = {"w": jnp.zeros((2, 3), jnp.bfloat16), "b": jnp.zeros(3)}
+  tx = optax_accum.accumulate(
+    optax.sgd(0.1), K, accumulator_dtype=accumulator_dtype
+  )
+  old = optax.MultiSteps(optax.sgd(0.1), K, accumulator_dtype=accumulator_dtype)
+  grads = jax.tree.map(lambda p: jnp.ones(p.shape, p.dtype), params)
+  # One micro-batch in (MultiSteps' own update fails for None with bf16
+  # params, optax 0.2.8: its branches' accumulator dtypes differ).
+  fresh = old.init(params)
+  saved = fresh._replace(
+    mini_step=jnp.ones([], jnp.int32),
+    acc_grads=jax.tree.map(
+      lambda a, g: g.astype(a.dtype), fresh.acc_grads, grads
+    ),
+  )
+  for target in (
+    multisteps.restore_target(tx, params),
+    multisteps.equivalent(tx).init(params),
+  ):
+    for got, want in zip(
+      jax.tree.leaves(target), jax.tree.leaves(saved), strict=True
+    ):
+      assert got.dtype == want.dtype, (accumulator_dtype, got, want)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "ckpt", saved)
+  checkpointer.wait_until_finished()
+  restored = checkpointer.restore(
+    tmp_path / "ckpt", multisteps.restore_target(tx, params)
+  )
+  state = multisteps.from_multisteps(restored, tx.init(params))
+  assert int(state.micro_step) == 1
+  jax.tree.map(
+    lambda a, b: np.testing.assert_array_equal(
+      np.asarray(a, np.float32), np.asarray(b, np.float32)
+    ),
+    state.acc_grads,
+    grads,
+  )
+  wide = multisteps.restore_target(tx, params, accumulator_dtype=jnp.float32)
+  assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(wide.acc_grads))
+
+
 EVERY_K = {"fixed": K, "schedule": lambda step: 2 + step % 2}
 
 

@@ -146,6 +146,25 @@ def test_emit_false_past_k_keeps_accumulating(maybe_jit):
   _close(p, _big_batch(optax.sgd(0.1), [range(3)]))
 
 
+def test_emit_false_with_every_k_1_is_refused_naming_it(maybe_jit):
+  """With a fixed every_k=1 a call without `emit` runs `inner` alone, so it
+  would not read a cycle that emit=False held open (issue 55): the call
+  raises, naming both; emit=True is every call's own cycle."""
+  jit = maybe_jit is jax.jit
+  tx = optax_accum.accumulate(optax.sgd(0.1), 1)
+  with pytest.raises(ValueError, match=r"emit=False with every_k=1"):
+    _run(tx, jit, [False])
+  p, state, emitted = _run(tx, jit, [True, None])
+  assert emitted == [True, True] and int(state.step) == 2
+  _close(p, _big_batch(optax.sgd(0.1), [[0], [1]]))
+  # A schedule whose k is 1 goes through the cycle's own path: held open,
+  # the next call ends it with the mean of both.
+  tx = optax_accum.accumulate(optax.sgd(0.1), lambda step: 1)
+  p, state, emitted = _run(tx, jit, [False, None])
+  assert emitted == [False, True] and int(state.step) == 1
+  _close(p, _big_batch(optax.sgd(0.1), [range(2)]))
+
+
 def test_skipped_micro_batch_with_a_host_counter(maybe_jit):
   """With skip_nonfinite, a host counter counts calls, the state counts the
   micro-batches it accepted: the cycle the host ends with emit=True is the
