@@ -105,7 +105,7 @@ def accumulate(
   skip_nonfinite: bool = False,
   axis_name: Hashable | None = None,
   track_noise_scale: bool = False,
-  noise_scale_decay: float = 0.99,
+  noise_scale_decay: float = _noise_scale.DEFAULT_DECAY,
   gradients: str = "mean",
   reduce_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -195,7 +195,8 @@ def accumulate(
       scalars); read it with :func:`noise_scale`. With unreduced gradients
       under plain ``jit``, also pass ``update(..., noise_stats=...)``.
     noise_scale_decay: Decay of the noise scale's moving averages, in
-      [0, 1).
+      [0, 1); a value other than the default raises without
+      ``track_noise_scale=True`` (nothing would read it).
     gradients: What each micro-batch gradient is over its ``weight``:
       ``"mean"`` (the default: multiplied by ``weight`` before it is added)
       or ``"sum"`` (a loss summed over the micro-batch: added as is, the
@@ -248,7 +249,9 @@ def accumulate(
     skip_nonfinite=_checks.boolean(skip_nonfinite, "skip_nonfinite"),
     axis_name=axis_name,
     track_noise_scale=track_noise_scale,
-    noise_scale_decay=_noise_scale.check_decay(noise_scale_decay),
+    noise_scale_decay=_noise_scale.check_decay(
+      noise_scale_decay, track_noise_scale
+    ),
     gradients=gradients,
     reduce_dtype=_checks.reduce_dtype(reduce_dtype, axis_name),
   )
@@ -540,12 +543,16 @@ def _update(
     and not call.may_flush
     and not config.skip_nonfinite
     and config.axis_name is None
-  ):  # k = 1 without weights, flush, skips, axis or `emit`: `inner` alone.
+    and _fits(updates, state.acc_grads)
+  ):  # k = 1 without weights, flush, skips, axis, `emit` or a narrower
+    # accumulator (whose rounding every other path applies): `inner` alone.
     return _inner_alone(inner, updates, state, params, extra_args)
   if not (engine.runs_eagerly or _checks.is_traced(updates)):
-    options = dict(
-      weight=weight, flush=flush, emit=emit, noise_stats=noise_stats
-    )
+    # The caller's options as given: a flush=False passed on would be
+    # traced, and read as a flush beside `emit`.
+    options = dict(weight=weight, emit=emit, noise_stats=noise_stats)
+    if call.may_flush:
+      options["flush"] = flush
     return _jitted_update(config)(
       updates, state, params, **options, **extra_args
     )
@@ -566,6 +573,15 @@ def _update(
   known = result.updated if call.emit is None else call.emit
   _apply.remember(result.updates, known, params, result.new_params)
   return result.updates, _next_state(config, values, accepted, cycle, result)
+
+
+def _fits(grads: Any, acc: Any) -> bool:
+  """Whether each accumulator leaf holds its gradient leaf's values exactly
+  (a float32 accumulator for bfloat16 or float32 gradients)."""
+  return all(
+    _holds_exactly(a.dtype, jnp.result_type(g))
+    for g, a in zip(jax.tree.leaves(grads), jax.tree.leaves(acc), strict=True)
+  )
 
 
 def _inner_alone(inner, grads, state, params, extra_args):

@@ -18,7 +18,12 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._noise_scale import NoiseStats
-from optax_accum._state import AccumulateState, NoiseScaleState, unpack
+from optax_accum._state import (
+  AccumulateState,
+  NoiseScaleState,
+  find_state,
+  unpack,
+)
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -342,6 +347,31 @@ def update_call(
     emit=emit,
     noise_stats=noise_stats,
   )
+
+
+def dropin_options(opt_state: Any, reader: str, **options: Any) -> dict:
+  """The options of ``accumulate``'s ``update`` that a Flax drop-in was
+  given (`options` not left at their defaults: ``weight=None``,
+  ``flush=False``, ``emit=None``), to pass on as given; raises naming them
+  when `opt_state` holds no ``AccumulateState``, whose ``update`` alone
+  reads them (an optax transformation that takes extra arguments would drop
+  them silently)."""
+  defaults = {"weight": None, "flush": False, "emit": None}
+  given = {
+    name: value
+    for name, value in options.items()
+    if value is not defaults[name]
+  }
+  if given and find_state(opt_state, reader, missing_ok=True) is None:
+    names = ", ".join(f"`{name}=`" for name in given)
+    raise TypeError(
+      f"{names} of `{reader}` are optax_accum.accumulate's, but this"
+      " optimizer holds no accumulate: wrap it,"
+      " `optax_accum.accumulate(tx, every_k)`, or leave"
+      f" {'it' if len(given) == 1 else 'them'} out; got"
+      f" {', '.join(f'{n}={v!r}' for n, v in given.items())}."
+    )
+  return given
 
 
 def state(value: Any, track_noise_scale: bool) -> None:

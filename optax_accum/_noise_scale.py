@@ -68,13 +68,24 @@ class NoiseStats(NamedTuple):
   count: jax.Array  # int32[]
 
 
-def check_decay(decay: Any) -> float:
-  """Returns `decay` if it is a real number in [0, 1); raises naming it."""
+DEFAULT_DECAY = 0.99  # accumulate's noise_scale_decay
+
+
+def check_decay(decay: Any, track_noise_scale: bool = True) -> float:
+  """Returns `decay` if it is a real number in [0, 1), and the default
+  unless the noise scale is tracked (no other value would be read); raises
+  naming it."""
   if isinstance(decay, bool) or not (
     isinstance(decay, numbers.Real) and 0 <= decay < 1
   ):
     raise ValueError(
       f"`noise_scale_decay` must be a float in [0, 1), got {decay!r}."
+    )
+  if not track_noise_scale and float(decay) != DEFAULT_DECAY:
+    raise ValueError(
+      "`noise_scale_decay` sets the decay of the noise scale's moving"
+      " averages, which are kept only with `track_noise_scale=True`; got"
+      f" noise_scale_decay={decay!r} with track_noise_scale=False."
     )
   return float(decay)
 

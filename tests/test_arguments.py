@@ -331,6 +331,20 @@ def test_complex_gradients_for_real_params_are_rejected(maybe_jit):
       maybe_jit(tx.update)(grads, tx.init(params), params)
 
 
+def test_noise_scale_decay_without_track_noise_scale_is_refused_naming_it():
+  """Configuration that nothing would read raises (issue 55), like
+  reduce_dtype without axis_name; the default is accepted either way."""
+  with pytest.raises(
+    ValueError, match=r"noise_scale_decay=0\.9 with track_noise_scale=False"
+  ):
+    optax_accum.accumulate(optax.sgd(0.1), 2, noise_scale_decay=0.9)
+  optax_accum.accumulate(optax.sgd(0.1), 2, noise_scale_decay=0.99)
+  tx = optax_accum.accumulate(
+    optax.sgd(0.1), 2, track_noise_scale=True, noise_scale_decay=0.9
+  )
+  assert tx is not None
+
+
 @pytest.mark.parametrize(
   "kwargs",
   [{"reduce_dtype": jnp.bfloat16}, {"reduce_dtype": "float16"}],

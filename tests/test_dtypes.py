@@ -164,3 +164,27 @@ def test_float64_gradients_with_the_default_accumulator_are_float32_sums(x64):
   np.testing.assert_array_equal(
     np.asarray(out), np.asarray(third, np.float32).astype(np.float64)
   )
+
+
+@pytest.mark.parametrize("name", sorted(_NARROW))
+def test_every_k_1_rounds_through_a_narrow_accumulator_on_every_path(
+  maybe_jit, name
+):
+  """k = 1 runs `inner` alone where the accumulator holds the gradient
+  exactly; through a narrower one, every call rounds as weight= and emit=
+  do (issue 55: the plain call skipped the rounding)."""
+  dtype = _NARROW[name]
+  tx = optax_accum.accumulate(identity(), 1, accumulator_dtype=dtype)
+  update = _updater(tx, maybe_jit)
+  params = jnp.zeros(3, jnp.float32)
+  g = jnp.asarray([1 + 2**-12, 3.0 + 2**-11, -(2**-20)], jnp.float32)
+  rounded = np.asarray(g).astype(dtype).astype(np.float32)
+  assert np.any(rounded != np.asarray(g))
+  for options in ({}, {"weight": 1.0}, {"emit": True}):
+    out, state = update(g, tx.init(params), params, **options)
+    assert bool(optax_accum.has_updated(state))
+    np.testing.assert_array_equal(np.asarray(out), rounded, err_msg=options)
+  # A float32 accumulator holds float32 gradients: `inner` alone, exact.
+  tx = optax_accum.accumulate(identity(), 1)
+  out, _ = _updater(tx, maybe_jit)(g, tx.init(params), params)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(g))

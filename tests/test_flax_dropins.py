@@ -108,7 +108,7 @@ def _linen_run(cls, tx, weighted):
     grads = jax.grad(lambda p: jnp.mean((state.apply_fn(p, x) - y) ** 2))(
       state.params
     )
-    if cls is train_state.TrainState:
+    if not weighted:  # the stock call
       return state.apply_gradients(grads=grads)
     return state.apply_gradients(grads=grads, weight=weight)
 
@@ -310,3 +310,71 @@ def test_linen_apply_gradients_replaces_the_fields_it_is_given(jit):
     chex.assert_trees_all_equal(state.batch_stats["mean"], jnp.full(2, i + 1.0))
     assert int(state.step) == i + 1
   chex.assert_trees_all_close(state.params["w"], _COUNTER, rtol=1e-6)
+
+
+def _scaled_sgd():
+  """sgd(1) times the extra argument `value=`: shows that it arrived."""
+
+  def update(updates, state, params=None, *, value=1.0, **extra):
+    del params, extra
+    return jax.tree.map(lambda u: -u * value, updates), state
+
+  return optax.GradientTransformationExtraArgs(
+    lambda params: optax.EmptyState(), update
+  )
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx_jit"])
+def test_nnx_optimizer_passes_the_inner_optimizers_extra_arguments(jit):
+  model = _Weights()
+  optimizer = optax_accum.flax.Optimizer(
+    model, optax_accum.accumulate(_scaled_sgd(), 2), wrt=nnx.Param
+  )
+
+  def step(model, optimizer, x):
+    grads = nnx.grad(lambda m: jnp.sum(m.w[...] * x))(model)
+    optimizer.update(model, grads, value=10.0, weight=1.0)
+
+  if jit:
+    step = nnx.jit(step)
+  for x in _G[:2]:
+    step(model, optimizer, x)
+  chex.assert_trees_all_close(model.w[...], -10.0 * (_G[0] + _G[1]) / 2)
+
+
+def test_linen_train_state_takes_a_transformation_without_extra_arguments():
+  """optax.scale is a plain GradientTransformation (its update takes no
+  keyword): the stock class runs it, so does ours."""
+  tx = optax.scale(-1.0)
+  states = [
+    cls.create(apply_fn=None, params={"w": jnp.zeros(2)}, tx=tx)
+    for cls in (optax_accum.flax.TrainState, train_state.TrainState)
+  ]
+  for x in _G:
+    states = [s.apply_gradients(grads={"w": x}) for s in states]
+  chex.assert_trees_all_equal(states[0].params, states[1].params)
+  chex.assert_trees_all_close(states[0].params["w"], -(_G[0] + _G[1] + _G[2]))
+
+
+@pytest.mark.parametrize(
+  "keyword", [{"weight": 0.0}, {"flush": True}, {"emit": False}], ids=str
+)
+@pytest.mark.parametrize("dropin", ["nnx", "linen"])
+def test_accumulates_keywords_without_accumulate_are_refused(dropin, keyword):
+  """optax.sgd swallows extra keywords: weight=0 or emit=False would update
+  anyway. Without an accumulate in tx the drop-ins refuse them, naming the
+  keyword."""
+  (name,) = keyword
+  with pytest.raises(TypeError, match=rf"`{name}=` of `.*` are optax_accum"):
+    if dropin == "nnx":
+      model = _Weights()
+      optimizer = optax_accum.flax.Optimizer(
+        model, optax.sgd(1.0), wrt=nnx.Param
+      )
+      grads = nnx.grad(lambda m: jnp.sum(m.w[...]))(model)
+      optimizer.update(model, grads, **keyword)
+    else:
+      state = optax_accum.flax.TrainState.create(
+        apply_fn=None, params={"w": jnp.zeros(2)}, tx=optax.sgd(1.0)
+      )
+      state.apply_gradients(grads={"w": jnp.ones(2)}, **keyword)

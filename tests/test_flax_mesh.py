@@ -242,3 +242,58 @@ def test_h100x8_without_deferral_reduces_every_call(h100x8):
   facts = h100x8["reduced"]
   assert facts["reduced_every_call"] >= facts["param_bytes"]
   assert facts["micro_step_bytes"] > 1.05 * facts["floor_bytes"]
+
+
+def test_local_value_and_grad_keywords_reach_what_they_name():
+  """`axis_name`, `wrt`, `has_aux` and `in_specs`, each off its default
+  (issue 55): an axis named "batch", the gradient of the last layer only,
+  an aux per device and a replicated first argument; the cycle of one
+  update is the full batch's gradient of that layer."""
+  n = 2
+  mesh = jax.make_mesh((n,), ("batch",), devices=jax.devices()[:n])
+  last = nnx.All(nnx.Param, nnx.PathContains("c"))
+
+  def loss(model, scale, x):
+    out = scale * jnp.mean(model(x) ** 2)
+    return out, {"rows": jnp.full([1], x.shape[0])}
+
+  x = np.random.default_rng(0).normal(size=(4 * n, 8)).astype(np.float32)
+  scale = jnp.float32(3.0)
+  with jax.set_mesh(mesh):
+    model = _MLP(nnx.Rngs(0))
+    tx = optax_accum.accumulate(optax.sgd(1.0), 1, axis_name="batch")
+    optimizer = optax_accum.flax.Optimizer(model, tx, wrt=last)
+  grad_fn = optax_accum.flax.local_value_and_grad(
+    loss, axis_name="batch", wrt=last, has_aux=True, in_specs=(P(), P("batch"))
+  )
+
+  @nnx.jit
+  def step(model, optimizer, scale, x):
+    (value, aux), grads = grad_fn(model, scale, x)
+    optimizer.update(model, grads)
+    return value, aux
+
+  want_model = _MLP(nnx.Rngs(0))
+  want_value = loss(want_model, scale, x)[0]
+  want = nnx.grad(
+    lambda m: loss(m, scale, x)[0], argnums=nnx.DiffState(0, last)
+  )(want_model)
+  before = nnx.state(model, nnx.Param)
+  before = jax.tree.map(np.asarray, before)
+  with jax.set_mesh(mesh):
+    value, aux = step(
+      model,
+      optimizer,
+      scale,
+      jax.device_put(x, NamedSharding(mesh, P("batch"))),
+    )
+  np.testing.assert_allclose(float(value), float(want_value), rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(aux["rows"]), np.full((n, 1), 4))
+  after = nnx.state(model, nnx.Param)
+  for path, got in jax.tree_util.tree_flatten_with_path(after)[0]:
+    old = dict(jax.tree_util.tree_flatten_with_path(before)[0])[path]
+    if "c" in jax.tree_util.keystr(path):
+      grad = dict(jax.tree_util.tree_flatten_with_path(want)[0])[path]
+      np.testing.assert_allclose(np.asarray(got), old - grad, atol=1e-6)
+    else:  # outside `wrt`: untouched
+      np.testing.assert_array_equal(np.asarray(got), old)

@@ -165,6 +165,49 @@ def test_static_cycle_equals_the_big_batch(layout, weighted):
   _same_on_every_device(params)
 
 
+def _scaled_sgd():
+  """sgd(1) times the extra argument `value=`: shows that it arrived."""
+
+  def update(updates, state, params=None, *, value=1.0, **extra):
+    del params, extra
+    return jax.tree.map(lambda u: -u * value, updates), state
+
+  return optax.GradientTransformationExtraArgs(
+    lambda params: optax.EmptyState(), update
+  )
+
+
+@pytest.mark.parametrize("emit", [None, True, False])
+def test_an_eager_update_takes_emit_and_extra_arguments_as_jit_does(emit):
+  """Called eagerly, an update of unreduced gradients runs jitted inside;
+  `emit=` (without `flush`) and the inner optimizer's extra arguments
+  reach it as they reach a jitted call (issue 55: emit= raised there,
+  naming a flush never passed)."""
+  tx = optax_accum.accumulate(_scaled_sgd(), K, axis_name="data")
+  mesh = _mesh("dp")
+  loss = lambda p, x: jnp.mean(x @ p["w"])  # noqa: E731
+  grad_fn = jax.jit(optax_accum.distributed.local_value_and_grad(loss))
+  options = {"value": 10.0} | ({} if emit is None else {"emit": emit})
+
+  def call(g, s, p):
+    return tx.update(g, s, p, **options)
+
+  with jax.set_mesh(mesh):
+    params = jax.device_put({"w": jnp.ones(3)}, NamedSharding(mesh, P()))
+    x = jax.device_put(
+      jnp.arange(24.0).reshape(8, 3), NamedSharding(mesh, P("data"))
+    )
+    _, grads = grad_fn(params, x)
+    eager, eager_state = call(grads, tx.init(params), params)
+    jitted, jit_state = jax.jit(call)(grads, tx.init(params), params)
+  np.testing.assert_array_equal(np.asarray(eager["w"]), jitted["w"])
+  assert bool(optax_accum.has_updated(eager_state)) == bool(emit)
+  assert bool(optax_accum.has_updated(jit_state)) == bool(emit)
+  if emit:  # the cycle of one, scaled by value=10
+    want = -10.0 * jnp.mean(jnp.arange(24.0).reshape(8, 3), axis=0)
+    np.testing.assert_allclose(np.asarray(eager["w"]), want, rtol=1e-6)
+
+
 def test_weight_computed_from_the_sharded_batch_is_global():
   """A token count taken under plain jit from the sharded batch is the
   micro-batch's global count: the same weight the helper returns."""

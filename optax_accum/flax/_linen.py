@@ -8,7 +8,7 @@ import jax
 from flax import serialization
 from flax.training import train_state
 
-from optax_accum import _apply, _state, multisteps, upgrade
+from optax_accum import _apply, _checks, _state, multisteps, upgrade
 
 
 class TrainState(train_state.TrainState):
@@ -17,8 +17,10 @@ class TrainState(train_state.TrainState):
   ``create`` and the fields are the stock class's; ``apply_gradients`` also
   takes :func:`optax_accum.accumulate`'s ``weight=``, ``flush=`` and
   ``emit=``, and applies the updates with :func:`optax_accum.apply_updates`
-  (a micro-step neither reads nor writes the params). Other keyword
-  arguments replace fields, as in the stock class. Jit the step with the
+  (a micro-step neither reads nor writes the params); given with a `tx`
+  that holds no ``accumulate``, they raise a ``TypeError`` naming them
+  (not given, any optax transformation works as in the stock class). Other
+  keyword arguments replace fields, as in the stock class. Jit the step with the
   state donated (``jax.jit(step, donate_argnums=0)``).
 
   ``step`` counts ``apply_gradients`` calls (micro-batches);
@@ -63,9 +65,13 @@ class TrainState(train_state.TrainState):
     emit: bool | None = None,
     **kwargs: Any,
   ) -> "TrainState":
-    options = {"flush": flush, "emit": emit}
-    if weight is not None:
-      options["weight"] = weight
+    options = _checks.dropin_options(
+      self.opt_state,
+      "TrainState.apply_gradients",
+      weight=weight,
+      flush=flush,
+      emit=emit,
+    )
     updates, opt_state = self.tx.update(
       grads, self.opt_state, self.params, **options
     )

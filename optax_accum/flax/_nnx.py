@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from optax_accum import _apply, _state
+from optax_accum import _apply, _checks, _state
 
 
 class Optimizer(nnx.Optimizer):
@@ -17,7 +17,9 @@ class Optimizer(nnx.Optimizer):
   The same constructor (``Optimizer(model, tx, wrt=nnx.Param)``), the same
   ``update(model, grads, **kwargs)`` and the same fields. ``update`` also
   takes :func:`optax_accum.accumulate`'s ``weight=``, ``flush=`` and
-  ``emit=``, and applies the updates with :func:`optax_accum.apply_updates`:
+  ``emit=`` (a ``TypeError`` naming them with a `tx` that holds no
+  ``accumulate``; the inner optimizer's own extra arguments pass through),
+  and applies the updates with :func:`optax_accum.apply_updates`:
   on a micro-step the model's params are neither read nor written (the
   stock class adds zeros to them on every call). Jit the step with
   ``nnx.jit(..., donate_argnums=...)`` over the model and the optimizer (or
@@ -64,8 +66,14 @@ class Optimizer(nnx.Optimizer):
     params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
     grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
     opt_state = nnx.as_pure(self.opt_state)
+    kwargs = nnx.as_pure(kwargs)
+    options = _checks.dropin_options(
+      opt_state,
+      "Optimizer.update",
+      **{k: kwargs.pop(k) for k in ("weight", "flush", "emit") if k in kwargs},
+    )
     updates, opt_state = self.tx.update(
-      grads, opt_state, params, **nnx.as_pure(kwargs)
+      grads, opt_state, params, **options, **kwargs
     )
     nnx.update(model, _apply.apply_updates(params, updates, opt_state))
     nnx.update(self.opt_state, nnx.state(opt_state, graph=self.graph))
