@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from optax_accum import _control
@@ -81,7 +82,8 @@ def check_decay(decay: Any, track_noise_scale: bool = True) -> float:
     raise ValueError(
       f"`noise_scale_decay` must be a float in [0, 1), got {decay!r}."
     )
-  if not track_noise_scale and float(decay) != DEFAULT_DECAY:
+  # float32 too: np.float32(0.99) is the default, whatever its float.
+  if not track_noise_scale and np.float32(decay) != np.float32(DEFAULT_DECAY):
     raise ValueError(
       "`noise_scale_decay` sets the decay of the noise scale's moving"
       " averages, which are kept only with `track_noise_scale=True`; got"

@@ -339,6 +339,7 @@ def test_noise_scale_decay_without_track_noise_scale_is_refused_naming_it():
   ):
     optax_accum.accumulate(optax.sgd(0.1), 2, noise_scale_decay=0.9)
   optax_accum.accumulate(optax.sgd(0.1), 2, noise_scale_decay=0.99)
+  optax_accum.accumulate(optax.sgd(0.1), 2, noise_scale_decay=np.float32(0.99))
   tx = optax_accum.accumulate(
     optax.sgd(0.1), 2, track_noise_scale=True, noise_scale_decay=0.9
   )

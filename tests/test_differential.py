@@ -113,7 +113,8 @@ class Config:
       accumulator_dtype=self.accumulator_dtype,
       skip_nonfinite=self.skip,
       track_noise_scale=self.noise,
-      noise_scale_decay=DECAY,
+      # Read only with the noise scale (without, another value raises).
+      **({"noise_scale_decay": DECAY} if self.noise else {}),
       gradients=self.gradients,
     )
 

@@ -682,7 +682,7 @@ MUTANTS += [
   _m(
     "noise_scale_decay accepted without track_noise_scale",
     "_noise_scale.py",
-    "  if not track_noise_scale and float(decay) != DEFAULT_DECAY:",
+    "  if not track_noise_scale and np.float32(decay) != np.float32(DEFAULT_DECAY):",
     "  if False:",
     ["tests/test_arguments.py", "-k", "noise_scale_decay"],
     "noise_scale_decay=0.9 without tracking accepted and unused",
