@@ -39,6 +39,18 @@ def identity():
   )
 
 
+def scaled_sgd():
+  """sgd(1) times the extra argument `value=`: shows that it arrived."""
+
+  def update(updates, state, params=None, *, value=1.0, **extra):
+    del params, extra
+    return jax.tree.map(lambda u: -u * value, updates), state
+
+  return optax.GradientTransformationExtraArgs(
+    lambda params: optax.EmptyState(), update
+  )
+
+
 def flat(tree):
   """{key path: leaf}."""
   return {

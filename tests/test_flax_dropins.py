@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from _common import scaled_sgd
 from flax import nnx
 from flax.training import train_state
 
@@ -312,23 +313,11 @@ def test_linen_apply_gradients_replaces_the_fields_it_is_given(jit):
   chex.assert_trees_all_close(state.params["w"], _COUNTER, rtol=1e-6)
 
 
-def _scaled_sgd():
-  """sgd(1) times the extra argument `value=`: shows that it arrived."""
-
-  def update(updates, state, params=None, *, value=1.0, **extra):
-    del params, extra
-    return jax.tree.map(lambda u: -u * value, updates), state
-
-  return optax.GradientTransformationExtraArgs(
-    lambda params: optax.EmptyState(), update
-  )
-
-
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx_jit"])
 def test_nnx_optimizer_passes_the_inner_optimizers_extra_arguments(jit):
   model = _Weights()
   optimizer = optax_accum.flax.Optimizer(
-    model, optax_accum.accumulate(_scaled_sgd(), 2), wrt=nnx.Param
+    model, optax_accum.accumulate(scaled_sgd(), 2), wrt=nnx.Param
   )
 
   def step(model, optimizer, x):

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _common import scaled_sgd
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_unreduced import (
@@ -165,25 +166,13 @@ def test_static_cycle_equals_the_big_batch(layout, weighted):
   _same_on_every_device(params)
 
 
-def _scaled_sgd():
-  """sgd(1) times the extra argument `value=`: shows that it arrived."""
-
-  def update(updates, state, params=None, *, value=1.0, **extra):
-    del params, extra
-    return jax.tree.map(lambda u: -u * value, updates), state
-
-  return optax.GradientTransformationExtraArgs(
-    lambda params: optax.EmptyState(), update
-  )
-
-
 @pytest.mark.parametrize("emit", [None, True, False])
 def test_an_eager_update_takes_emit_and_extra_arguments_as_jit_does(emit):
   """Called eagerly, an update of unreduced gradients runs jitted inside;
   `emit=` (without `flush`) and the inner optimizer's extra arguments
   reach it as they reach a jitted call (issue 55: emit= raised there,
   naming a flush never passed)."""
-  tx = optax_accum.accumulate(_scaled_sgd(), K, axis_name="data")
+  tx = optax_accum.accumulate(scaled_sgd(), K, axis_name="data")
   mesh = _mesh("dp")
   loss = lambda p, x: jnp.mean(x @ p["w"])  # noqa: E731
   grad_fn = jax.jit(optax_accum.distributed.local_value_and_grad(loss))
