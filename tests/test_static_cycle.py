@@ -146,6 +146,27 @@ def test_emit_false_past_k_keeps_accumulating(maybe_jit):
   _close(p, _big_batch(optax.sgd(0.1), [range(3)]))
 
 
+def test_apply_updates_after_an_update_given_no_params(maybe_jit):
+  """optax's common call, `tx.update(grads, state)` without params: the
+  update cannot apply them itself, so apply_updates does, from the static
+  decision (its "static" route; issue 55's full mutant run found no test
+  there)."""
+  tx = optax_accum.accumulate(optax.sgd(0.1), K)
+
+  def step(p, state, g, emit):
+    updates, state = tx.update(g, state, emit=emit)
+    return optax_accum.apply_updates(p, updates, state), state
+
+  if maybe_jit is jax.jit:
+    step = jax.jit(step, static_argnames="emit")
+  p, state = params(), tx.init(params())
+  for i, emit in enumerate(_host_emits(2 * K)):
+    p, state = step(p, state, grads(i), emit=emit)
+    if not emit:
+      assert not optax_accum.has_updated(state)
+  _close(p, _big_batch(optax.sgd(0.1), [range(K), range(K, 2 * K)]))
+
+
 def test_emit_false_with_every_k_1_is_refused_naming_it(maybe_jit):
   """With a fixed every_k=1 a call without `emit` runs `inner` alone, so it
   would not read a cycle that emit=False held open (issue 55): the call

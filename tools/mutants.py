@@ -410,7 +410,7 @@ MUTANTS += [
     "_apply.py",
     "return optax.apply_updates(params, updates) if record.emitted else params",
     "return params",
-    [STATIC, "-k", "equals_the_traced_run"],
+    [STATIC, "-k", "equals_the_traced_run or given_no_params"],
     "emit=True: the params never move",
   ),
   # -- The noise scale. ---------------------------------------------------------
