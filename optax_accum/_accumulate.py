@@ -575,12 +575,13 @@ def _update(
   return result.updates, _next_state(config, values, accepted, cycle, result)
 
 
-def _fits(grads: Any, acc: Any) -> bool:
-  """Whether each accumulator leaf holds its gradient leaf's values exactly
-  (a float32 accumulator for bfloat16 or float32 gradients)."""
+def _fits(values: Any, acc: Any) -> bool:
+  """Whether each accumulator leaf holds the values of the leaf of `values`
+  (arrays, scalars or their types) beside it exactly: a float32
+  accumulator for bfloat16 or float32 gradients."""
   return all(
-    _holds_exactly(a.dtype, jnp.result_type(g))
-    for g, a in zip(jax.tree.leaves(grads), jax.tree.leaves(acc), strict=True)
+    _holds_exactly(a.dtype, jnp.result_type(v))
+    for v, a in zip(jax.tree.leaves(values), jax.tree.leaves(acc), strict=True)
   )
 
 
@@ -1063,11 +1064,15 @@ def _shares_buffer(engine: Local, inner: Inner, acc: Any) -> bool:
   the same tree and shapes, dtypes the accumulator holds exactly, and (with
   ``axis_name``) an engine whose accumulator has the updates' type."""
   update_types = inner.update_types
-  fits = jax.tree.structure(update_types) == jax.tree.structure(acc) and all(
-    u.shape == a.shape and _holds_exactly(a.dtype, u.dtype)
-    for u, a in zip(
-      jax.tree.leaves(update_types), jax.tree.leaves(acc), strict=True
+  fits = (
+    jax.tree.structure(update_types) == jax.tree.structure(acc)
+    and all(
+      u.shape == a.shape
+      for u, a in zip(
+        jax.tree.leaves(update_types), jax.tree.leaves(acc), strict=True
+      )
     )
+    and _fits(update_types, acc)
   )
   return fits and (engine.axis_name is None or engine.shares_buffer(acc))
 

@@ -20,8 +20,8 @@ class TrainState(train_state.TrainState):
   (a micro-step neither reads nor writes the params); given with a `tx`
   that holds no ``accumulate``, they raise a ``TypeError`` naming them
   (not given, any optax transformation works as in the stock class). Other
-  keyword arguments replace fields, as in the stock class. Jit the step with the
-  state donated (``jax.jit(step, donate_argnums=0)``).
+  keyword arguments replace fields, as in the stock class. Jit the step
+  with the state donated (``jax.jit(step, donate_argnums=0)``).
 
   ``step`` counts ``apply_gradients`` calls (micro-batches);
   ``optax_accum.has_updated(state.opt_state)`` says whether the last call
