@@ -283,6 +283,13 @@ def _check_steps(loops: dict[str, Any], calls: dict[str, int], k: int) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   configs = configurations(args)
+  if not configs:  # a run that measures nothing must not look like one
+    print(
+      f"no configuration of --preset {args.preset} matches --only"
+      f" {args.only!r} (size:dtype:inner:k, e.g. '0.25:float32:adam:4')",
+      file=sys.stderr,
+    )
+    return 2
   payload: dict[str, Any] = {
     "schema": SCHEMA,
     "machine": machine_info(),
