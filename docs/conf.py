@@ -27,9 +27,14 @@ extensions = [
   "sphinx.ext.autosummary",
   "sphinx.ext.napoleon",
   "sphinx.ext.mathjax",
+  # MathJax 3 (its scripts and fonts) copied into the site's _static, so
+  # that formulas render with no network: opened from disk, on an
+  # air-gapped cluster. It sets `mathjax_path` to the copy.
+  "sphinx-mathjax-offline",
   "sphinx.ext.viewcode",
   "myst_parser",
   "api_coverage",
+  "readable_signatures",
 ]
 
 # The source directory is the repository's root (`make docs` runs
@@ -79,6 +84,17 @@ myst_enable_extensions = ["dollarmath", "colon_fence"]
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_preserve_defaults = True
+# optax's tree aliases by name, not as the union each stands for
+# (`_ext/readable_signatures.py` hands autodoc the annotation as written).
+autodoc_type_aliases = {
+  name: name
+  for name in (
+    "optax.Updates",
+    "optax.Params",
+    "optax.OptState",
+    "chex.ArrayTree",
+  )
+}
 autosummary_generate = False  # the API pages list their names themselves
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
@@ -113,14 +129,6 @@ nitpick_ignore_regex = [
     r"TypeError|NotImplementedError|AttributeError|RuntimeError|"
     r"ImportError)",
   ),
-]
-# Private classes in public signatures; each entry goes with its fix:
-nitpick_ignore = [
-  # _every_k.py: grow_every_k, piecewise_every_k and inner_for_every_k are
-  # annotated with private classes; annotate with the public protocol (a
-  # callable `every_k(step, weight_seen)`) or make the classes public.
-  ("py:class", "optax_accum._every_k.GrowEveryK"),
-  ("py:class", "optax_accum._every_k.InnerForEveryK"),
 ]
 
 # Public names per module, for the coverage check: each module's `__all__`

@@ -36,7 +36,8 @@ _FLOAT32_BELOW_INT32_MAX = float(np.nextafter(np.float32(2**31), 0))
 
 @dataclasses.dataclass(frozen=True)
 class GrowEveryK:
-  """The configuration of the noise-scale controller; see :func:`grow_every_k`."""
+  """The noise-scale controller's configuration: the arguments of
+  :func:`~optax_accum.grow_every_k`, which makes it, to pass as ``every_k``."""
 
   k_max: int
   k_min: int
@@ -44,6 +45,10 @@ class GrowEveryK:
   scale: float
   min_cycles: int
   micro_batch_weight: float | None
+
+
+# The public names (help(), the API reference); the classes live here.
+GrowEveryK.__module__ = "optax_accum.types"
 
 
 def grow_every_k(
@@ -184,10 +189,13 @@ def piecewise_every_k(
 
 
 class InnerForEveryK(NamedTuple):
-  """An inner transformation built for each cycle's k; see
-  :func:`inner_for_every_k`."""
+  """An inner transformation built for each cycle's k: what
+  :func:`~optax_accum.inner_for_every_k` makes, to pass as ``inner``."""
 
   factory: Callable[[jax.Array], optax.GradientTransformation]
+
+
+InnerForEveryK.__module__ = "optax_accum.types"
 
 
 def inner_for_every_k(

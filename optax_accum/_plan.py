@@ -45,6 +45,10 @@ class Candidate:
   compile_seconds: float
 
 
+# The public names (help(), the API reference); the classes live here.
+Candidate.__module__ = "optax_accum.types"
+
+
 @dataclasses.dataclass(frozen=True)
 class MicroBatchPlan:
   """What :func:`~optax_accum.plan_micro_batch` chose, and every candidate it compiled.
@@ -95,6 +99,9 @@ class MicroBatchPlan:
         f" {'yes' if c.fits else 'no':>5} {c.compile_seconds:>9.2f}"
       )
     return "\n".join(lines)
+
+
+MicroBatchPlan.__module__ = "optax_accum.types"
 
 
 def _unit(n: int) -> tuple[str, float]:

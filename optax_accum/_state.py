@@ -40,6 +40,11 @@ class NoiseScaleState(NamedTuple):
   cycles: jax.Array  # int32[]
 
 
+# The public names (in help(), the API reference and pickles); each class
+# lives here, where the state is packed.
+NoiseScaleState.__module__ = "optax_accum.types"
+
+
 class GrowState(NamedTuple):
   """The state of the controller :func:`optax_accum.grow_every_k`.
 
@@ -55,6 +60,9 @@ class GrowState(NamedTuple):
 
   changed_at: jax.Array  # int32[]
   micro_batches: jax.Array  # float32[]
+
+
+GrowState.__module__ = "optax_accum.types"
 
 
 # The fields of optax.MultiStepsState, and where their meaning went: reading
@@ -235,6 +243,9 @@ class AccumulateState(NamedTuple):
       f"AccumulateState has no `{name}` (a field of optax.MultiStepsState):"
       f" {equivalent}. See help(optax_accum.multisteps)."
     )
+
+
+AccumulateState.__module__ = "optax_accum"
 
 
 # What `pack` and `replace` take by name.
