@@ -44,7 +44,7 @@ compiled programs to these points. The compiler workarounds the code calls
 by name live in ``_control.py``, each with the behaviour it defeats.
 
 **Devices.** Without ``axis_name`` everything below runs on one device with
-plain ``jnp`` (:class:`Local`). With it, an engine of ``_engines.py``
+plain ``jnp`` (:class:`_control.Local`). With it, an engine of ``_engines.py``
 (chosen once per trace) says how the sums cross devices: ``ShardMap`` where
 the axis is bound, ``Unreduced`` for gradients typed unreduced under plain
 ``jit``. The steps call the engine's methods; ``init`` and the start of
@@ -57,7 +57,7 @@ without it calls only :class:`Local`'s methods.
 import dataclasses
 import functools
 from collections.abc import Callable, Hashable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +67,7 @@ from jax.sharding import AxisType, NamedSharding
 
 from optax_accum import _apply, _checks, _control, _every_k, _noise_scale
 from optax_accum import _state as _state_lib
+from optax_accum._control import LOCAL, Local
 from optax_accum._noise_scale import NoiseStats
 from optax_accum._state import AccumulateState, NoiseScaleState
 
@@ -288,92 +289,6 @@ def config_of(tx: Any, reader: str) -> Config:
   )
 
 
-# ----------------------------------------------------------------------------
-# One device: the sums of the local path, in plain jnp.
-# ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Local:
-  """How a cycle's sums are made and reduced on one device (no
-  ``axis_name``): plain ``jnp``, nothing to agree on or reduce.
-
-  The engines of ``_engines.py`` (``ShardMap``, ``Unreduced``) override
-  these methods where sums cross devices, and add what only a call with
-  ``axis_name`` asks for:
-
-  * ``reduce(acc, scalars, *, per_leaf, specs) -> (acc, scalars)``: the
-    cycle's sums over the devices (:func:`_reduce`);
-  * ``reduced_specs(acc, params)``: where the reduced sum is laid out, or
-    None where its type has no layout (:func:`_inner_types`);
-  * ``shares_buffer(acc)``: whether the updates may be written into the
-    accumulator's own buffer, as far as the devices go
-    (:func:`_shares_buffer`).
-  """
-
-  axis_name: Hashable | None = None
-  # Eager ops on this engine's arrays work (not on unreduced ones).
-  runs_eagerly: ClassVar[bool] = True
-  # The cycle's total weight is the same on every device before it is
-  # reduced (not inside shard_map, where each device has its own).
-  global_weight: ClassVar[bool] = True
-  # `accumulate` measures each gradient's norm for the noise scale itself
-  # (not unreduced gradients: `local_value_and_grad` measures them).
-  measures_noise: ClassVar[bool] = True
-
-  def zero(self, x: Any) -> Any:
-    """A zero to select against `x`."""
-    return jnp.zeros([], x.dtype)
-
-  def select(self, pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-    """``jnp.where`` with a replicated scalar `pred`."""
-    return jnp.where(pred, on_true, on_false)
-
-  def scale(self, x: Any, factor: jax.Array) -> Any:
-    """``x * factor`` for a replicated scalar `factor`."""
-    return x * factor.astype(x.dtype)
-
-  def all_finite(self, tree: Any) -> jax.Array:
-    """Whether every gradient element is finite (on every device whose
-    decision this is)."""
-    finite = jnp.asarray(True)
-    for g in jax.tree.leaves(tree):
-      finite &= jnp.all(jnp.isfinite(g))
-    return finite
-
-  def zeros_like_param(self, param: Any, dtype: Any) -> jax.Array:
-    """A zero accumulator leaf placed like `param`.
-
-    A committed array's sharding is copied; an uncommitted one (created
-    without a device) gives an uncommitted accumulator, as optax's own
-    states. Under ``jit`` an explicit-axes mesh puts the sharding in the
-    tracer's type and ``zeros_like`` keeps it; with auto axes pass
-    ``out_shardings=optax_accum.distributed.state_shardings(tx, params)``.
-    """
-    if isinstance(param, jax.Array) and not isinstance(param, jax.core.Tracer):
-      device = param.sharding if param.committed else None
-      return jnp.zeros(param.shape, dtype, device=device)
-    return jnp.zeros_like(param, dtype=dtype)
-
-  def agree(self, reduce: Callable, flag: jax.Array) -> jax.Array:
-    """`flag` the same on every device of the step (here: itself)."""
-    del reduce
-    return flag
-
-  def cleared(self, cycle_ends: jax.Array, acc: Any, total: Any) -> Any:
-    """Zeros in place of the accumulator `acc` where `cycle_ends`, once
-    `total`, its sum over the devices, is known."""
-    del total
-    return _control.cleared(cycle_ends, acc, self)
-
-  def sample_axes(self) -> Hashable | None:
-    """The axes each device's gradient is a noise-scale sample over."""
-    return None
-
-
-LOCAL = Local()
-
-
 def _engine_for_init(axis_name: Hashable | None, params: Any) -> Local:
   if axis_name is None:
     return LOCAL
@@ -558,7 +473,7 @@ def _update(
     )
 
   # 2. Add the micro-batch into the cycle.
-  cycle, accepted = _add(config, engine, values, updates, call, params)
+  cycle, accepted = _add(config, engine, values, updates, call, params=params)
   inner = _inner_types(engine, inner, extra_args, updates, cycle)
 
   # 3. End the call: the device decides (traced), or the caller did (emit=).
@@ -617,6 +532,7 @@ def _add(
   state: _state_lib.Values,
   grads: Any,
   call: _checks.Call,
+  *,
   params: Any,
 ) -> tuple[Cycle, jax.Array]:
   """The cycle with this micro-batch added, and whether it was accepted
@@ -662,7 +578,15 @@ def _add(
     micro_step=micro_step,
     ends=(micro_step >= state.every_k) | flush,
     noise=(
-      _add_noise(config, engine, state, grads, weight, accepted, call)
+      _add_noise(
+        config,
+        engine,
+        state,
+        grads,
+        weight=weight,
+        accepted=accepted,
+        call=call,
+      )
       if config.track_noise_scale
       else state.noise
     ),
@@ -712,6 +636,7 @@ def _add_noise(
   engine: Local,
   state: _state_lib.Values,
   grads: Any,
+  *,
   weight: jax.Array,
   accepted: jax.Array,
   call: _checks.Call,
@@ -774,6 +699,20 @@ def _inner_types(
 # -- 3. The ends. ------------------------------------------------------------
 
 
+class Branch(NamedTuple):
+  """What each branch of a closing conditional returns (the same fields in
+  every branch, so that the conditional's outputs have names)."""
+
+  out: Any  # the updates; where they share the accumulator's buffer, it
+  acc: Any  # the accumulator, or None where `out` is its buffer
+  params: Any  # the params (updated where the branch applied), or None
+  weight: jax.Array  # float32[]: the cycle's global total weight
+  noise: Any
+  inner_state: Any
+  updated: jax.Array  # bool[]: inner ran on a cycle of positive weight
+  cycle_weight: jax.Array  # the ended cycle's global weight, else 0
+
+
 def _decide_on_device(
   config: Config, engine: Local, inner: Inner, cycle: Cycle
 ) -> Result:
@@ -800,14 +739,19 @@ def _decide_on_device(
   if narrow and cycle.params is not None:
     return _per_backend(
       cycle,
-      cpu=lambda c: _decide(config, engine, inner, c, shares),
+      cpu=lambda c: _decide(config, engine, inner, c, shares=True),
       accelerator=lambda c: _apply_inside(config, engine, inner, c),
     )
-  return _decide(config, engine, inner, cycle, shares)
+  return _decide(config, engine, inner, cycle, shares=shares)
 
 
 def _decide(
-  config: Config, engine: Local, inner: Inner, cycle: Cycle, shares: bool
+  config: Config,
+  engine: Local,
+  inner: Inner,
+  cycle: Cycle,
+  *,
+  shares: bool,
 ) -> Result:
   """One conditional decides on the device whether this call ends the
   cycle.
@@ -818,12 +762,11 @@ def _decide(
   tree, a buffer that varies over devices) they get buffers of their own
   and the updating branch zeroes the accumulator and applies them itself.
   """
-  enter = cycle.ends
-  if shares and engine.global_weight:
-    # A weightless cycle skips the branch (a NaN total still enters, so
-    # that the NaN reaches `inner`). Inside shard_map the global weight is
-    # known only in the branch.
-    enter = cycle.ends & ~(cycle.weight <= 0)
+  # A weightless cycle skips the branch (a NaN total still enters, so that
+  # the NaN reaches `inner`). Inside shard_map the global weight is known
+  # only in the branch, which then checks it itself.
+  checked = shares and engine.global_weight
+  enter = cycle.ends & ~(cycle.weight <= 0) if checked else cycle.ends
   mean_sq = None
   if config.track_noise_scale and engine.axis_name is None:
     # Measured before the conditional (with axis_name it needs the reduced
@@ -832,79 +775,70 @@ def _decide(
       enter, _mean_sq_norm, jnp.zeros([], jnp.float32), cycle.acc, cycle.weight
     )
 
-  def hold(cycle, mean_sq):
-    del mean_sq
-    held = (
-      cycle.weight,
-      cycle.noise,
-      _settle(cycle.inner_state, inner.state_types),
-      jnp.asarray(False),
-      jnp.zeros([], cycle.weight.dtype),
-    )
+  def update(cycle: Cycle, mean_sq: Any) -> Branch:
+    mean = _cycle_mean(config, engine, inner, cycle, mean_sq, per_leaf=False)
+    run = _run_inner if checked else _inner_where_weighted
+    ran = run(config, inner, mean.operands, apply=not shares)
     if shares:
-      return cycle.acc, held
-    # `cycle.ends` is false here: traced zeros, one per leaf.
-    leaves, treedef = jax.tree.flatten(inner.update_types)
-    zeros = _control.distinct_zeros(leaves, cycle.ends, zeros_like_type)
-    updates = jax.tree.unflatten(treedef, zeros)
-    return (updates, cycle.acc, cycle.params), held
-
-  def update(cycle, mean_sq):
-    done = _run_inner_on_mean(
-      config,
-      engine,
-      inner,
-      cycle,
-      mean_sq,
-      static=False,
-      weight_checked=shares and engine.global_weight,
-      apply=not shares,
-    )
+      out = jax.tree.map(lambda u, a: u.astype(a.dtype), ran.updates, cycle.acc)
+      acc = params = None
+    else:
+      out, params = ran.updates, ran.params
+      acc = engine.cleared(cycle.ends, cycle.acc, mean.operands.total)
     # The global weight twice, as the ended cycle's too: under shard_map
-    # the first copy joins the device-local accumulator's slot.
-    decided = (done.weight, done.noise, done.inner_state, done.updated)
-    decided += (done.weight,)
-    if shares:
-      out = jax.tree.map(
-        lambda u, a: u.astype(a.dtype), done.updates, cycle.acc
-      )
-      return out, decided
-    acc = engine.cleared(cycle.ends, cycle.acc, done.total)
-    return (done.updates, acc, done.params), decided
+    # the first joins the device-local accumulator's slot.
+    return Branch(
+      out=out,
+      acc=acc,
+      params=params,
+      weight=mean.weight,
+      noise=mean.noise,
+      inner_state=ran.inner_state,
+      updated=jnp.asarray(True) if checked else mean.operands.weighted,
+      cycle_weight=mean.weight,
+    )
 
-  out, decided = _control.cond(enter, update, hold, cycle, mean_sq)
-  weight, noise, inner_state, updated, cycle_weight = decided
+  def hold(cycle: Cycle, mean_sq: Any) -> Branch:
+    del mean_sq
+    return _holding(inner, cycle, shares=shares)
+
+  branch = _control.cond(enter, update, hold, cycle, mean_sq)
   if shares:
-    new_params, acc, acc_weight = _close(
-      engine,
-      inner.update_types,
-      cycle.params,
-      out,
-      cycle.ends,
-      updated,
-      weight,
-    )
-    # The updates, exact zeros unless updated; outside the conditional, so
-    # that the select fuses with optax.apply_updates.
-    updates = jax.tree.map(
-      lambda b, t: jnp.where(updated, b.astype(t.dtype), 0),
-      out,
-      inner.update_types,
-    )
-  else:
-    updates, acc, new_params = out
-    acc_weight = jnp.where(cycle.ends, 0.0, weight)
+    return _close(engine, inner, cycle, branch)
   return Result(
-    updates=updates,
-    updated=updated,
-    new_params=new_params,
-    acc=acc,
-    acc_weight=acc_weight,
-    noise=noise,
-    inner_state=inner_state,
+    updates=branch.out,
+    updated=branch.updated,
+    new_params=branch.params,
+    acc=branch.acc,
+    acc_weight=jnp.where(cycle.ends, 0.0, branch.weight),
+    noise=branch.noise,
+    inner_state=branch.inner_state,
     cycle_ends=cycle.ends,
-    cycle_weight=cycle_weight,
+    cycle_weight=branch.cycle_weight,
   )
+
+
+def _holding(inner: Inner, cycle: Cycle, *, shares: bool) -> Branch:
+  """The branch that holds: everything passed through, no updates (the
+  accumulator's own buffer where they share it, else traced zeros)."""
+  return Branch(
+    out=cycle.acc if shares else _no_updates(inner, cycle.ends),
+    acc=None if shares else cycle.acc,
+    params=None if shares else cycle.params,
+    weight=cycle.weight,
+    noise=cycle.noise,
+    inner_state=_settle(cycle.inner_state, inner.state_types),
+    updated=jnp.asarray(False),
+    cycle_weight=jnp.zeros([], cycle.weight.dtype),
+  )
+
+
+def _no_updates(inner: Inner, flag: jax.Array) -> Any:
+  """Zero updates, a traced value per leaf from a `flag` that is false where
+  this runs (:func:`_control.distinct_zeros`)."""
+  leaves, treedef = jax.tree.flatten(inner.update_types)
+  zeros = _control.distinct_zeros(leaves, flag, zeros_like_type)
+  return jax.tree.unflatten(treedef, zeros)
 
 
 def _apply_inside(
@@ -925,50 +859,41 @@ def _apply_inside(
   """
   weighted = ~(cycle.weight <= 0)  # a NaN total enters, to reach `inner`
   index = jnp.where(cycle.ends, jnp.where(weighted, 1, 2), 0)
-  held_state = _settle(cycle.inner_state, inner.state_types)
-  leaves, treedef = jax.tree.flatten(inner.update_types)
 
-  def no_updates(flag):  # traced zeros, one per leaf (`flag` false here)
-    zeros = _control.distinct_zeros(leaves, flag, zeros_like_type)
-    return jax.tree.unflatten(treedef, zeros)
-
-  def hold(cycle):
-    kept = (held_state, cycle.noise, jnp.asarray(False))
-    return no_updates(cycle.ends), cycle.acc, cycle.params, kept
-
-  def update(cycle):
-    done = _run_inner_on_mean(
-      config,
-      engine,
-      inner,
-      cycle,
-      None,
-      static=False,
-      weight_checked=True,
-      apply=True,
+  def update(cycle: Cycle) -> Branch:
+    mean = _cycle_mean(config, engine, inner, cycle, None, per_leaf=False)
+    ran = _run_inner(config, inner, mean.operands, apply=True)
+    acc = engine.cleared(cycle.ends, cycle.acc, mean.operands.total)
+    return _holding(inner, cycle, shares=False)._replace(
+      out=ran.updates,
+      acc=acc,
+      params=ran.params,
+      noise=mean.noise,
+      inner_state=ran.inner_state,
+      updated=jnp.asarray(True),
+      cycle_weight=cycle.weight,
     )
-    acc = engine.cleared(cycle.ends, cycle.acc, done.total)
-    ran = (done.inner_state, done.noise, done.updated)
-    return done.updates, acc, done.params, ran
 
-  def weightless(cycle):
+  def weightless(cycle: Cycle) -> Branch:
     acc = engine.cleared(cycle.ends, cycle.acc, cycle.acc)
-    kept = (held_state, cycle.noise, jnp.asarray(False))
-    return no_updates(~cycle.ends), acc, cycle.params, kept
+    return _holding(inner, cycle, shares=False)._replace(
+      out=_no_updates(inner, ~cycle.ends), acc=acc
+    )
 
-  updates, acc, new_params, (inner_state, noise, updated) = _control.switch(
-    index, (hold, update, weightless), cycle
-  )
+  def hold(cycle: Cycle) -> Branch:
+    return _holding(inner, cycle, shares=False)
+
+  branch = _control.switch(index, (hold, update, weightless), cycle)
   return Result(
-    updates=updates,
-    updated=updated,
-    new_params=new_params,
-    acc=acc,
+    updates=branch.out,
+    updated=branch.updated,
+    new_params=branch.params,
+    acc=branch.acc,
     acc_weight=jnp.where(cycle.ends, 0.0, cycle.weight),
-    noise=noise,
-    inner_state=inner_state,
+    noise=branch.noise,
+    inner_state=branch.inner_state,
     cycle_ends=cycle.ends,
-    cycle_weight=jnp.where(updated, cycle.weight, 0.0),
+    cycle_weight=branch.cycle_weight,
   )
 
 
@@ -976,8 +901,10 @@ def _end_cycle_now(
   config: Config, engine: Local, inner: Inner, cycle: Cycle
 ) -> Result:
   """``emit=True``: the caller says this call ends the cycle. With
-  ``axis_name``, no conditional (see :func:`_run_inner_on_mean`) and the
-  accumulator left at zeros (the reduced sum's: see ``_engines.py``).
+  ``axis_name``, no conditional (the leaves reduced one by one, so that
+  each may start as soon as its gradient is added; selects keep a
+  weightless cycle's result out) and the accumulator left at zeros (the
+  reduced sum's: see ``_engines.py``).
 
   On one device with the params given, the params are updated here too
   (what :func:`optax_accum.apply_updates` returns), and a program compiled
@@ -992,54 +919,44 @@ def _end_cycle_now(
   mean_sq = None
   if config.track_noise_scale and engine.axis_name is None:
     mean_sq = _mean_sq_norm(cycle.acc, cycle.weight)
+  mean = _cycle_mean(config, engine, inner, cycle, mean_sq, per_leaf=True)
   always = _control.traced_true(cycle.micro_step)
+
+  def ended(ran: Ran, acc: Any, acc_weight: jax.Array) -> Result:
+    return Result(
+      updates=ran.updates,
+      updated=mean.operands.weighted,
+      new_params=ran.params,
+      acc=acc,
+      acc_weight=acc_weight,
+      noise=mean.noise,
+      inner_state=ran.inner_state,
+      cycle_ends=jnp.asarray(True),
+      cycle_weight=mean.weight,
+    )
+
   if engine.axis_name is not None or cycle.params is None:
-    done = _run_inner_on_mean(
-      config, engine, inner, cycle, mean_sq, static=True, weight_checked=False
+    run = (
+      _run_then_select
+      if engine.axis_name is not None
+      else _inner_where_weighted
     )
-    acc = engine.cleared(always, cycle.acc, done.total)
-    return _ended_now(done, acc, jnp.zeros_like(cycle.weight), None)
+    ran = run(config, inner, mean.operands, apply=False)
+    acc = engine.cleared(always, cycle.acc, mean.operands.total)
+    return ended(ran, acc, jnp.zeros_like(cycle.weight))
 
-  def leftovers(cycle, mean_sq):
-    done = _run_inner_on_mean(
-      config,
-      engine,
-      inner,
-      cycle,
-      mean_sq,
-      static=True,
-      weight_checked=False,
-      apply=True,
-    )
+  def leftovers(cycle: Cycle) -> Result:
+    ran = _inner_where_weighted(config, inner, mean.operands, apply=True)
     weight = jnp.where(cycle.weight == 0, -jnp.inf, cycle.weight)
-    return done, cycle.acc, weight
+    return ended(ran, cycle.acc, weight)
 
-  def zeros(cycle, mean_sq):
-    done = _run_inner_on_mean(
-      config, engine, inner, cycle, mean_sq, static=True, weight_checked=False
-    )
-    done = done._replace(params=optax.apply_updates(cycle.params, done.updates))
+  def zeros(cycle: Cycle) -> Result:
+    ran = _inner_where_weighted(config, inner, mean.operands, apply=False)
+    ran = ran._replace(params=optax.apply_updates(cycle.params, ran.updates))
     acc = _control.cleared(always, cycle.acc, engine)
-    return done, acc, jnp.zeros_like(cycle.weight)
+    return ended(ran, acc, jnp.zeros_like(cycle.weight))
 
-  done, acc, acc_weight = _per_backend(
-    cycle, mean_sq, cpu=leftovers, accelerator=zeros
-  )
-  return _ended_now(done, acc, acc_weight, done.params)
-
-
-def _ended_now(done: "Ran", acc: Any, acc_weight: Any, new_params: Any):
-  return Result(
-    updates=done.updates,
-    updated=done.updated,
-    new_params=new_params,
-    acc=acc,
-    acc_weight=acc_weight,
-    noise=done.noise,
-    inner_state=done.inner_state,
-    cycle_ends=jnp.asarray(True),
-    cycle_weight=done.weight,
-  )
+  return _per_backend(cycle, cpu=leftovers, accelerator=zeros)
 
 
 def _keep_cycle_open(inner: Inner, cycle: Cycle) -> Result:
@@ -1097,92 +1014,85 @@ def _holds_exactly(wide: Any, narrow: Any) -> bool:
 # -- The inner optimizer on the cycle's mean. --------------------------------
 
 
+class InnerOperands(NamedTuple):
+  """What the inner optimizer's run on a cycle's mean reads (the operands of
+  the conditional that runs it where it has one of its own)."""
+
+  weighted: jax.Array  # bool[]: the total weight is positive, or NaN
+  total: Any  # the cycle's (reduced) sum
+  inv_weight: jax.Array  # 1 / its total weight (:func:`_inverse_weight`)
+  state: Any  # the inner optimizer's state
+  params: Any  # as given to update, or None
+
+
+class Mean(NamedTuple):
+  """A cycle summed over the devices, ready for the inner optimizer."""
+
+  operands: InnerOperands
+  weight: jax.Array  # float32[]: the cycle's global total weight
+  noise: Any  # the noise-scale state with the cycle folded in
+
+
 class Ran(NamedTuple):
-  """What :func:`_run_inner_on_mean` returns."""
+  """The inner optimizer's result on a cycle's mean."""
 
   updates: Any
   inner_state: Any
-  updated: jax.Array  # bool[]: the cycle's total weight was positive
-  weight: jax.Array  # float32[]: its global total weight
-  noise: Any  # the noise-scale state with the cycle folded in
-  total: Any  # the cycle's reduced sum
-  params: Any  # with the updates applied (asked for and given), else None
+  params: Any  # with the updates applied where asked (`apply`), else None
 
 
-def _run_inner_on_mean(
+def _cycle_mean(
   config: Config,
   engine: Local,
   inner: Inner,
   cycle: Cycle,
   mean_sq: Any,
   *,
-  static: bool,
-  weight_checked: bool,
-  apply: bool = False,
-) -> Ran:
-  """The cycle's (reduced) mean gradient through the inner optimizer.
-
-  Args:
-    mean_sq: ``|mean gradient|^2`` measured before, or None to measure the
-      reduced sum here (with the noise scale tracked).
-    static: the caller knew at trace time that the call ends the cycle:
-      with ``axis_name``, no conditional (the leaves are reduced one by
-      one, so that each may start as soon as its gradient is added;
-      selects keep a weightless cycle's result out); on one device as
-      below.
-    weight_checked: the caller runs this only for a positive (or NaN) total
-      weight; otherwise :func:`_inner_where_weighted` keeps a weightless
-      cycle's result out.
-    apply: also apply the updates to the params (when given), next to
-      `inner`.
-  """
-  total, weight, noise = cycle.acc, cycle.weight, cycle.noise
-  if engine.axis_name is not None:  # The sums over the devices.
-    total, weight, noise = _reduce(
-      config, engine, inner, total, weight, noise, static
-    )
-  inv_weight = _inverse_weight(weight, total)
+  per_leaf: bool,
+) -> Mean:
+  """The cycle's sums over the devices (with ``axis_name``; `per_leaf`: a
+  reduction per leaf, see :func:`_control.psum_with_scalars`), the inverse
+  of its total weight, and the noise scale with the cycle folded in
+  (`mean_sq`: ``|mean gradient|^2`` measured before, or None to measure the
+  reduced sum here)."""
+  if engine.axis_name is not None:
+    cycle = _reduce(config, engine, inner, cycle, per_leaf=per_leaf)
+  inv_weight = _inverse_weight(cycle.weight, cycle.acc)
+  noise = cycle.noise
   if isinstance(noise, NoiseScaleState):
     if mean_sq is None:  # The global mean, known only after the reduction.
-      mean_sq = _noise_scale.sq_norm(total, inv_weight, config.axis_name)
+      mean_sq = _noise_scale.sq_norm(cycle.acc, inv_weight, config.axis_name)
     noise = _noise_scale.fold_cycle(
-      noise, mean_sq, weight, config.noise_scale_decay
+      noise, mean_sq, cycle.weight, config.noise_scale_decay
     )
-  apply = apply and cycle.params is not None
-  operands = (total, inv_weight, cycle.inner_state, cycle.params)
-  # A NaN weight runs `inner`, so that the NaN reaches it.
-  updated = jnp.asarray(True) if weight_checked else ~(weight <= 0)
-  run = functools.partial(_run_inner, config, inner, apply)
-  select_ = functools.partial(_run_then_select, config, inner, apply)
-  if weight_checked:
-    updates, inner_state, params = run(updated, *operands)
-  elif static and engine.axis_name is not None:
-    # No conditional: each leaf's reduction may start during the backward.
-    updates, inner_state, params = select_(updated, *operands)
-  else:
-    skip = functools.partial(_skip_inner, inner)
-    updates, inner_state, params = _inner_where_weighted(
-      updated, run, skip, select_, *operands
-    )
-  params = params if apply else None
-  return Ran(updates, inner_state, updated, weight, noise, total, params)
+  operands = InnerOperands(
+    # A NaN weight runs `inner`, so that the NaN reaches it.
+    weighted=~(cycle.weight <= 0),
+    total=cycle.acc,
+    inv_weight=inv_weight,
+    state=cycle.inner_state,
+    params=cycle.params,
+  )
+  return Mean(operands, cycle.weight, noise)
 
 
 def _reduce(
   config: Config,
   engine: Local,
   inner: Inner,
-  acc: Any,
-  weight: jax.Array,
-  noise: Any,
+  cycle: Cycle,
+  *,
   per_leaf: bool,
-) -> tuple[Any, jax.Array, Any]:
-  """The cycle's sums over the devices, in `reduce_dtype` on the wire."""
+) -> Cycle:
+  """The cycle with its sums over the devices, in `reduce_dtype` on the
+  wire."""
+  noise = cycle.noise
   tracked = isinstance(noise, NoiseScaleState)
-  scalars = (weight,)
+  scalars = (cycle.weight,)
   if tracked:  # The count as float32, to join the sum.
     scalars += (noise.sq_norm_sum, noise.count.astype(jnp.float32))
   wire = config.reduce_dtype
+  acc = cycle.acc
   kept = jax.tree.map(lambda a: a.dtype, acc)
   if wire is not None:
     acc = jax.tree.map(lambda a: a.astype(wire), acc)
@@ -1195,7 +1105,7 @@ def _reduce(
     noise = noise._replace(
       sq_norm_sum=scalars[1], count=scalars[2].astype(jnp.int32)
     )
-  return acc, scalars[0], noise
+  return cycle._replace(acc=acc, weight=scalars[0], noise=noise)
 
 
 def _inverse_weight(total_weight: jax.Array, acc: Any = ()) -> jax.Array:
@@ -1216,52 +1126,85 @@ def _mean_sq_norm(acc: Any, total_weight: jax.Array) -> jax.Array:
   return _noise_scale.sq_norm(acc, _inverse_weight(total_weight))
 
 
-def _run_inner(config, inner, apply, updated, total, inv_weight, state, params):
+# Three ways to run the inner optimizer on the mean, one a decision: the
+# caller checked the weight (`_run_inner`), selects keep a weightless
+# cycle's result out (`_run_then_select`), or the backend chooses between
+# the two (`_inner_where_weighted`). Each takes `apply`: also apply the
+# updates to the params, next to `inner`.
+
+
+def _run_inner(
+  config: Config, inner: Inner, operands: InnerOperands, *, apply: bool
+) -> Ran:
   """`inner` on the cycle's mean gradient, computed here so that it fuses
   into the inner's kernels; with `apply`, the params updated too."""
-  del updated
 
   def mean_leaf(a, g):  # in the gradient's own dtype
     a = a.astype(compute_dtype(a.dtype))
     if config.reduction == "mean":
-      a = _control.times_inverse(a, inv_weight)
+      a = _control.times_inverse(a, operands.inv_weight)
     return a.astype(g.dtype)
 
   # `grad_types` holds shapes only: closing over the gradient arrays would
   # make them operands of the conditional and materialise them.
-  grad = jax.tree.map(mean_leaf, total, inner.grad_types)
-  updates, state = inner.tx.update(grad, state, params, **inner.extra_args)
-  if apply:
-    params = optax.apply_updates(params, updates)
-  return updates, state, params
+  grad = jax.tree.map(mean_leaf, operands.total, inner.grad_types)
+  params = operands.params
+  updates, state = inner.tx.update(
+    grad, operands.state, params, **inner.extra_args
+  )
+  if not apply or params is None:
+    return Ran(updates, state, None)
+  return Ran(updates, state, optax.apply_updates(params, updates))
 
 
 def _run_then_select(
-  config, inner, apply, updated, total, inv_weight, state, params
-):
+  config: Config, inner: Inner, operands: InnerOperands, *, apply: bool
+) -> Ran:
   """`inner` run anyway, its result kept for a positive weight by selects
   that fuse into the inner's own kernels."""
-  run = _run_inner(
-    config, inner, False, updated, total, inv_weight, state, params
-  )
-  updates, new_state, _ = run
+  ran = _run_inner(config, inner, operands, apply=False)
+  weighted, params = operands.weighted, operands.params
   updates = jax.tree.map(
-    lambda u: jnp.where(updated, u, jnp.zeros([], u.dtype)), updates
+    lambda u: jnp.where(weighted, u, jnp.zeros([], u.dtype)), ran.updates
   )
-  new_state = select(updated, new_state, state)
-  if apply:
-    params = select(updated, optax.apply_updates(params, updates), params)
-  return updates, new_state, params
+  state = select(weighted, ran.inner_state, operands.state)
+  if not apply or params is None:
+    return Ran(updates, state, None)
+  applied = optax.apply_updates(params, updates)
+  return Ran(updates, state, select(weighted, applied, params))
 
 
-def _skip_inner(inner, updated, total, inv_weight, state, params):
-  """No weight: zero updates (traced, one per leaf: `updated` is false
-  here); the params and `inner`'s state as they were."""
-  del total, inv_weight
-  leaves, treedef = jax.tree.flatten(inner.update_types)
-  zeros = _control.distinct_zeros(leaves, updated, zeros_like_type)
-  state = _settle(state, inner.state_types)
-  return jax.tree.unflatten(treedef, zeros), state, params
+def _inner_where_weighted(
+  config: Config, inner: Inner, operands: InnerOperands, *, apply: bool
+) -> Ran:
+  """The inner optimizer, in a conditional branch that ends every cycle
+  (weightless ones too): its result where the total weight is positive (or
+  NaN), else zero updates and the state and params as they were.
+
+  * GPU/TPU: :func:`_run_then_select` (a conditional of its own there costs
+    the 8-H100 ``shard_map`` step a quarter of the accumulator more memory,
+    ``tests/test_accelerators.py``);
+  * CPU (:func:`_control.run_if_weighted`): a conditional of its own, whose
+    holding branch passes the state through. XLA:CPU does not update the
+    state in place under the selects, and copies every inner-state leaf
+    twice per micro-step.
+  """
+
+  def run(operands: InnerOperands) -> Ran:
+    return _run_inner(config, inner, operands, apply=apply)
+
+  def skip(operands: InnerOperands) -> Ran:  # `weighted` is false here
+    updates = _no_updates(inner, operands.weighted)
+    state = _settle(operands.state, inner.state_types)
+    return Ran(updates, state, operands.params if apply else None)
+
+  def on_cpu(operands: InnerOperands) -> Ran:
+    return _control.run_if_weighted(operands.weighted, run, skip, operands)
+
+  def on_accelerator(operands: InnerOperands) -> Ran:
+    return _run_then_select(config, inner, operands, apply=apply)
+
+  return _per_backend(operands, cpu=on_cpu, accelerator=on_accelerator)
 
 
 def _settle(inner_state: Any, types: Any) -> Any:
@@ -1300,11 +1243,20 @@ def _per_backend(*args: Any, cpu: Callable, accelerator: Callable) -> Any:
   return lax.platform_dependent(*args, cpu=cpu, default=accelerator)
 
 
-def _close(engine, update_types, params, out, cycle_ends, updated, weight):
-  """``(new_params, acc, acc_weight)`` once the updates the updating branch
-  wrote into the accumulator's buffer `out` have been read: `params` with
-  them applied (None without params), and the state's accumulator and
-  weight (`weight` is the cycle's).
+class Closed(NamedTuple):
+  """The params and the accumulator once a cycle's updates were read."""
+
+  params: Any  # with the updates applied, or None without params
+  acc: Any
+  acc_weight: jax.Array
+
+
+def _close(engine: Local, inner: Inner, cycle: Cycle, branch: Branch) -> Result:
+  """The call's result once the updates the updating branch wrote into the
+  accumulator's buffer (`branch.out`) have been read: the updates (exact
+  zeros unless updated: a select outside the conditional, which fuses with
+  ``optax.apply_updates``), the params with them applied (None without
+  params), and the state's accumulator and weight.
 
   * GPU/TPU: a second conditional, entered when the cycle ends, applies the
     updates and zeroes the buffer in place (weight 0); on a micro-step it
@@ -1323,51 +1275,49 @@ def _close(engine, update_types, params, out, cycle_ends, updated, weight):
     XLA:CPU copies a buffer that a conditional passes through when it is
     read after; ``tools/cpu_cond_probe.py``).
   """
+  update_types, updated, ends = inner.update_types, branch.updated, cycle.ends
 
   def applied(params, out):
     updates = jax.tree.map(lambda b, t: b.astype(t.dtype), out, update_types)
     return optax.apply_updates(params, updates)
 
-  def in_conditional(params, out, weight):
+  def in_conditional(params, out, weight) -> Closed:
     def close(params, out):
       if params is not None:  # The select fuses into the update's kernel.
         params = select(updated, applied(params, out), params)
-      return params, _control.cleared(cycle_ends, out, engine)
+      return params, _control.cleared(ends, out, engine)
 
-    params, out = _control.cond(
-      cycle_ends, close, lambda p, o: (p, o), params, out
-    )
-    return params, out, jnp.where(cycle_ends, 0.0, weight)
+    params, out = _control.cond(ends, close, lambda p, o: (p, o), params, out)
+    return Closed(params, out, jnp.where(ends, 0.0, weight))
 
-  def leftovers(params, out, weight):
+  def leftovers(params, out, weight) -> Closed:
     if params is not None:
       params = _control.cond(updated, applied, lambda p, o: p, params, out)
-    return params, out, jnp.where(cycle_ends & (weight == 0), -jnp.inf, weight)
+    return Closed(
+      params, out, jnp.where(ends & (weight == 0), -jnp.inf, weight)
+    )
 
-  return _per_backend(
-    params, out, weight, cpu=leftovers, accelerator=in_conditional
+  closed = _per_backend(
+    cycle.params,
+    branch.out,
+    branch.weight,
+    cpu=leftovers,
+    accelerator=in_conditional,
   )
-
-
-def _inner_where_weighted(updated, run, skip, run_then_select, *operands):
-  """The inner optimizer, in a conditional branch that ends every cycle
-  (weightless ones too): its result where `updated` (the total weight is
-  positive, or NaN), else `skip`'s (zero updates, the state as it was).
-  Each callable takes ``(updated, *operands)``.
-
-  * GPU/TPU: `run_then_select`: the optimizer runs, and selects that fuse
-    into its kernels keep its result out (a conditional of its own there
-    costs the 8-H100 ``shard_map`` step a quarter of the accumulator more
-    memory, ``tests/test_accelerators.py``);
-  * CPU (:func:`_control.run_if_weighted`): a conditional of its own, where
-    `skip` passes the state through. XLA:CPU does not update the state in
-    place under the selects, and copies every inner-state leaf twice per
-    micro-step.
-  """
-  return _per_backend(
-    *operands,
-    cpu=lambda *o: _control.run_if_weighted(updated, run, skip, updated, *o),
-    accelerator=functools.partial(run_then_select, updated),
+  return Result(
+    updates=jax.tree.map(
+      lambda b, t: jnp.where(updated, b.astype(t.dtype), 0),
+      branch.out,
+      update_types,
+    ),
+    updated=updated,
+    new_params=closed.params,
+    acc=closed.acc,
+    acc_weight=closed.acc_weight,
+    noise=branch.noise,
+    inner_state=branch.inner_state,
+    cycle_ends=ends,
+    cycle_weight=branch.cycle_weight,
   )
 
 

@@ -1,6 +1,7 @@
-"""Control flow that compilers keep, and every XLA workaround, in one place.
+"""Control flow that compilers keep, the one-device operations, and every
+XLA workaround, in one place.
 
-Two parts:
+Three parts:
 
 * **Varying manual axes** (inside ``jax.shard_map`` with ``check_vma=True``,
   every value's type records the mesh axes it varies over; a ``psum``
@@ -9,6 +10,10 @@ Two parts:
   :func:`to_varying`, :func:`varies_over`, :func:`switch` and
   :func:`cond`. Outside ``shard_map`` (and under ``vmap``) they change
   nothing.
+* **One device**: :class:`Local`, the operations a call without
+  ``axis_name`` makes its sums with (plain ``jnp``), which the engines of
+  ``_engines.py`` override where the sums cross devices. Here, below the
+  core and the engines alike, so that imports point one way.
 * **XLA workarounds.** Each function below the line says what XLA does
   without it (seen with jax/jaxlib 0.10.2), and which test fails when the
   plain form replaces it. At its call site each looks like a no-op or an
@@ -17,8 +22,9 @@ Two parts:
   micro-step, and only a compiled-program test notices.
 """
 
+import dataclasses
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +91,92 @@ def switch(index: Any, branches: Sequence[Callable], *operands: Any):
     return unified
 
   return lax.switch(index, [unify(f) for f in branches], *operands)
+
+
+# ----------------------------------------------------------------------------
+# One device: the operations of the local path, in plain jnp.
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Local:
+  """How a cycle's sums are made and reduced on one device (no
+  ``axis_name``): plain ``jnp``, nothing to agree on or reduce.
+
+  The engines of ``_engines.py`` (``ShardMap``, ``Unreduced``) override
+  these methods where sums cross devices, and add what only a call with
+  ``axis_name`` asks for:
+
+  * ``reduce(acc, scalars, *, per_leaf, specs) -> (acc, scalars)``: the
+    cycle's sums over the devices (``_accumulate._reduce``);
+  * ``reduced_specs(acc, params)``: where the reduced sum is laid out, or
+    None where its type has no layout (``_accumulate._inner_types``);
+  * ``shares_buffer(acc)``: whether the updates may be written into the
+    accumulator's own buffer, as far as the devices go
+    (``_accumulate._shares_buffer``).
+  """
+
+  axis_name: Hashable | None = None
+  # Eager ops on this engine's arrays work (not on unreduced ones).
+  runs_eagerly: ClassVar[bool] = True
+  # The cycle's total weight is the same on every device before it is
+  # reduced (not inside shard_map, where each device has its own).
+  global_weight: ClassVar[bool] = True
+  # `accumulate` measures each gradient's norm for the noise scale itself
+  # (not unreduced gradients: `local_value_and_grad` measures them).
+  measures_noise: ClassVar[bool] = True
+
+  def zero(self, x: Any) -> Any:
+    """A zero to select against `x`."""
+    return jnp.zeros([], x.dtype)
+
+  def select(self, pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    """``jnp.where`` with a replicated scalar `pred`."""
+    return jnp.where(pred, on_true, on_false)
+
+  def scale(self, x: Any, factor: jax.Array) -> Any:
+    """``x * factor`` for a replicated scalar `factor`."""
+    return x * factor.astype(x.dtype)
+
+  def all_finite(self, tree: Any) -> jax.Array:
+    """Whether every gradient element is finite (on every device whose
+    decision this is)."""
+    finite = jnp.asarray(True)
+    for g in jax.tree.leaves(tree):
+      finite &= jnp.all(jnp.isfinite(g))
+    return finite
+
+  def zeros_like_param(self, param: Any, dtype: Any) -> jax.Array:
+    """A zero accumulator leaf placed like `param`.
+
+    A committed array's sharding is copied; an uncommitted one (created
+    without a device) gives an uncommitted accumulator, as optax's own
+    states. Under ``jit`` an explicit-axes mesh puts the sharding in the
+    tracer's type and ``zeros_like`` keeps it; with auto axes pass
+    ``out_shardings=optax_accum.distributed.state_shardings(tx, params)``.
+    """
+    if isinstance(param, jax.Array) and not isinstance(param, jax.core.Tracer):
+      device = param.sharding if param.committed else None
+      return jnp.zeros(param.shape, dtype, device=device)
+    return jnp.zeros_like(param, dtype=dtype)
+
+  def agree(self, reduce: Callable, flag: jax.Array) -> jax.Array:
+    """`flag` the same on every device of the step (here: itself)."""
+    del reduce
+    return flag
+
+  def cleared(self, cycle_ends: jax.Array, acc: Any, total: Any) -> Any:
+    """Zeros in place of the accumulator `acc` where `cycle_ends`, once
+    `total`, its sum over the devices, is known."""
+    del total
+    return cleared(cycle_ends, acc, self)
+
+  def sample_axes(self) -> Hashable | None:
+    """The axes each device's gradient is a noise-scale sample over."""
+    return None
+
+
+LOCAL = Local()
 
 
 # ----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """How an ``accumulate`` trace sums over devices: the engines of ``axis_name``.
 
-Without ``axis_name`` a call never comes here: :class:`optax_accum._accumulate.Local`
+Without ``axis_name`` a call never comes here: :class:`optax_accum._control.Local`
 makes one device's sums with plain ``jnp``. With it, the engine is chosen
 where ``init`` and ``update`` are traced (:func:`for_init`,
 :func:`for_update`), once per trace; it overrides ``Local``'s methods and
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optax_accum import _control, _unreduced
-from optax_accum._accumulate import Local
+from optax_accum._control import Local
 
 
 @dataclasses.dataclass(frozen=True)

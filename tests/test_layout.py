@@ -220,3 +220,66 @@ def test_the_file_map_names_every_module():
   ]
   assert not missing and not gone, (missing, gone)
   assert "## Glossary" in text
+
+
+# Issue 54: the core passes named values. A function of these modules takes
+# at most five positional parameters and returns no bare tuple of more than
+# two values (NamedTuples and dataclasses name them).
+NAMED_VALUE_MODULES = ("_accumulate.py", "_checks.py", "_control.py")
+
+
+def _unnamed_values(path: pathlib.Path) -> list[str]:
+  found = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if not isinstance(node, ast.FunctionDef | ast.Lambda):
+      continue
+    name = getattr(node, "name", "<lambda>")
+    positional = [*node.args.posonlyargs, *node.args.args]
+    positional = [a for a in positional if a.arg not in ("self", "cls")]
+    if len(positional) > 5:
+      found.append(f"{path.name}:{node.lineno} {name} takes {len(positional)}")
+    body = [node.body] if isinstance(node, ast.Lambda) else ast.walk(node)
+    for inner in body:
+      value = inner.value if isinstance(inner, ast.Return) else inner
+      if isinstance(node, ast.Lambda) or isinstance(inner, ast.Return):
+        if isinstance(value, ast.Tuple) and len(value.elts) > 2:
+          found.append(
+            f"{path.name}:{inner.lineno} {name} returns"
+            f" {len(value.elts)} unnamed values"
+          )
+  return found
+
+
+def test_the_core_passes_named_values():
+  found = []
+  for name in NAMED_VALUE_MODULES:
+    found += _unnamed_values(PACKAGE / name)
+  assert not found, found
+
+
+def test_the_named_values_check_sees_a_plant(tmp_path):
+  """The check above can fail: a planted 6-parameter function returning a
+  3-tuple is reported twice."""
+  plant = tmp_path / "plant.py"
+  plant.write_text(
+    "def f(a, b, c, d, e, g):\n  return a, b, c\n"
+    "h = lambda a, b: (a, b, a)\n"
+  )
+  assert len(_unnamed_values(plant)) == 3, _unnamed_values(plant)
+
+
+def test_no_two_modules_import_each_other():
+  """Imports point one way inside the package: no module imports a module
+  that imports it back (lazy imports inside functions count)."""
+  imports = {}
+  for path in PACKAGE.rglob("*.py"):
+    rel = path.relative_to(PACKAGE)
+    top = rel.parts[0] if len(rel.parts) > 1 else path.stem
+    if top == "__init__":
+      continue
+    imports.setdefault(top, set()).update(_imported(path) - {top})
+  circles = sorted(
+    f"{a} <-> {b}" for a in imports for b in imports[a]
+    if a < b and a in imports.get(b, ())
+  )
+  assert not circles, circles
