@@ -9,8 +9,8 @@ and the accelerator compilers on ``PYTHONPATH`` (``tests/_common.accel_env``)::
 
 The step is taken from the docs' own text (``tests/test_docs.python_blocks``:
 README.md, the guides under docs/guides/) or an example's module
-(``examples/scaling_shard_map.py``): the block runs, with its docs-test
-set-up, up to its first training call, and its step is lowered for params of
+(``examples/scaling_shard_map.py``): the block runs up to its first
+training call, and its step is lowered for params of
 a size where the ratios mean something. The docs' models are tiny, so the
 step gets the issue's (4 bias-free 2048-square tanh layers, 16 rows a
 device) where it takes a model (the Flax steps), and one 4096-square matrix
@@ -108,14 +108,12 @@ def _plant_text(code: str, plant: str) -> str:
 
 
 def _run(path: str, marker: str, cut: str, plant: str, namespace=None):
-  """Runs the block of `path` holding `marker` (its set-up first) up to
-  `cut`, its first training call, in `namespace` (default: a new one)."""
+  """Runs the block of `path` holding `marker` (it makes its own data) up
+  to `cut`, its first training call, in `namespace` (default: a new one)."""
   namespace = {} if namespace is None else namespace
   block = _block(path, marker)
   if cut not in block.code:
     raise RuntimeError(f"{block.id}: {cut!r} not found: the recipe changed")
-  if block.setup:
-    exec(test_docs.SETUPS[block.setup], namespace)
   code = _plant_text(block.code.split(cut)[0], plant)
   exec(compile(code, block.id, "exec"), namespace)
   return namespace

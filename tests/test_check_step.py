@@ -61,7 +61,6 @@ def test_the_readme_quick_start_as_printed_passes():
     b for b in test_docs.python_blocks(README) if "def train_step" in b.code
   )
   namespace = {}
-  exec(test_docs.SETUPS["micro_batches"], namespace)
   exec(block.code.split("opt_state = tx.init")[0], namespace)
   tx, params = namespace["tx"], namespace["params"]
   batch = namespace["micro_batches"][0]

@@ -1,19 +1,22 @@
-"""The docs run: every page's Python blocks, the examples' --help, packaging.
+"""The docs run: every page as a script, the examples' --help, packaging.
 
-Page blocks. Every ```python block of every page of the site (`make docs`:
-the Markdown files that ``docs/conf.py``'s ``include_patterns`` name: the
-guides under docs/, the examples' index, the demo, the benchmark page) and of
-the README is executed. The blocks of one page run in order in one
-namespace, so a later block can use names an earlier one defined. A page's
-``{include}`` of another file (``:start-after:``/``:end-before:``) runs the
-included blocks in the page's namespace, where the page shows them: the
-getting-started page shows the README's quick start, then builds on it.
-Three markers, an HTML comment on the line just above a block's opening
-fence, change that:
+Pages. Every page of the site (`make docs`: the Markdown files that
+``docs/conf.py``'s ``include_patterns`` name: the guides under docs/, the
+examples' index, the demo, the benchmark page) and the README runs as one
+script: its ```python blocks, top to bottom, in one fresh namespace, with
+nothing run before them or between them. A page makes the data and the model
+it uses itself, where the reader sees it (as optax's and flax's
+getting-started pages do). A page's ``{include}`` of another file
+(``:start-after:``/``:end-before:``) runs the included blocks where the page
+shows them: the landing page and getting started show the README's example
+and quick start, then build on them.
 
-* ``<!-- docs-test: setup=NAME -->`` first runs ``SETUPS[NAME]`` (below) in
-  the README's namespace: the model, data or step that the prose leaves to
-  the reader. Keep setups small; they are part of the docs' contract.
+A ```text block right after a ```python block (nothing but blank lines
+between) is the block's expected output: what the block prints must equal it.
+
+Two markers, an HTML comment on the line just above a block's opening fence,
+take a block out of its page's script:
+
 * ``<!-- docs-test: skip: REASON -->`` does not run the block (a cluster, a
   network). Used sparingly: `test_few_blocks_are_skipped` caps the count.
 * ``<!-- docs-test: accelerator -->`` runs the block alone, in a process that
@@ -21,8 +24,6 @@ fence, change that:
   compilers ``make test`` installs, ``JAX_PLATFORMS=cpu``); it must define
   everything it uses.
 
-A ```text block right after a ```python block (nothing but blank lines
-between) is the block's expected output: what the block prints must equal it.
 Doctest-style ``>>>`` examples live in docstrings and run as doctests.
 """
 
@@ -36,6 +37,7 @@ import re
 import subprocess
 import sys
 import tomllib
+import traceback
 
 import _common
 import pytest
@@ -72,108 +74,8 @@ def site_pages() -> list[pathlib.Path]:
 PAGES = [ROOT / "README.md", *site_pages()]
 MAX_SKIPPED = 2
 
-# The names a block uses but the prose leaves to the reader. `_docs_tmp` is a
-# fresh directory (set by the runner).
-SETUPS = {
-  # `params` for a linear model x @ w, and 6 micro-batches of 8 rows,
-  # each with its own number of real rows (`mask`).
-  "micro_batches": """
-import jax, jax.numpy as jnp, numpy as np
-_rng = np.random.default_rng(0)
-params = {"w": jnp.zeros((3, 1))}
-micro_batches = [
-  {
-    "x": jnp.asarray(_rng.normal(size=(8, 3)), jnp.float32),
-    "y": jnp.asarray(_rng.normal(size=(8, 1)), jnp.float32),
-    "mask": (jnp.arange(8) < real).astype(jnp.float32),
-  }
-  for real in (8, 3, 5, 1, 6, 2)
-]
-""",
-  # A linen model, its params, one micro-batch's gradients and tokens.
-  "linen": """
-import jax, jax.numpy as jnp, optax, optax_accum
-import flax.linen as nn
-model = nn.Dense(1)
-params = model.init(jax.random.key(0), jnp.ones((1, 3)))
-grads = jax.tree.map(jnp.ones_like, params)
-n_tokens = jnp.float32(5)
-""",
-  # Params whose `w` rows split over 8 devices, a step, a batch.
-  "fsdp": """
-import jax, jax.numpy as jnp, optax, optax_accum
-params = {"w": jnp.zeros((16, 4)), "b": jnp.zeros((1, 4))}
-batch = {"x": jnp.ones((16, 16)), "y": jnp.ones((16, 4))}
-def train_step(params, opt_state, batch):
-  def loss_fn(params):
-    pred = batch["x"] @ params["w"] + params["b"]
-    return jnp.mean((pred - batch["y"]) ** 2)
-  updates, opt_state = tx.update(jax.grad(loss_fn)(params), opt_state, params)
-  return optax_accum.apply_updates(params, updates, opt_state), opt_state
-""",
-  # An optax.MultiSteps run's params and state, 6 micro-batches in (one
-  # cycle of 4, then 2), saved with Orbax at `path`.
-  "multisteps_checkpoint": """
-import jax, jax.numpy as jnp, optax
-import orbax.checkpoint as ocp
-params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
-_old = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=4)
-_state = _old.init(params)
-for _i in range(6):
-  _grads = jax.tree.map(lambda p: p * (_i + 1), params)
-  _updates, _state = _old.update(_grads, _state, params)
-  params = optax.apply_updates(params, _updates)
-path = _docs_tmp / "multisteps"
-with ocp.StandardCheckpointer() as _checkpointer:
-  _checkpointer.save(path, {"params": params, "opt_state": _state})
-""",
-  # The same run as a flax TrainState, saved by the trainer's own
-  # flax.training.checkpoints at `ckpt_dir`.
-  "multisteps_train_state": """
-from flax.training import checkpoints, train_state
-ckpt_dir = _docs_tmp / "multisteps_train_state"
-_state = train_state.TrainState.create(
-  apply_fn=None,
-  params=params,
-  tx=optax.MultiSteps(optax.adam(1e-3), 4).gradient_transformation(),
-)
-for _i in range(6):
-  _grads = jax.tree.map(lambda p: p * (_i + 1), _state.params)
-  _state = _state.apply_gradients(grads=_grads)
-checkpoints.save_checkpoint(ckpt_dir, _state, step=6)
-""",
-  # The previous block's optimizer state, saved with Orbax at `path`.
-  "orbax_saved": """
-import orbax.checkpoint as ocp
-path = _docs_tmp / "opt_state"
-with ocp.StandardCheckpointer() as _checkpointer:
-  _checkpointer.save(path, opt_state)
-""",
-  # A token-mean loss returning its token count, params, and 8 micro-batches
-  # of 16 sequences (2 per device) with 1 to 4 real tokens each.
-  "shard_map": """
-import jax, jax.numpy as jnp, numpy as np, optax, optax_accum
-def loss_fn(params, x, y, mask):
-  pred = jnp.einsum("btd,do->bto", x, params["w"]) + params["b"][None, None]
-  err = jnp.sum((pred - y) ** 2, axis=-1)
-  tokens = jnp.sum(mask)
-  return jnp.sum(err * mask) / jnp.maximum(tokens, 1.0), tokens
-params = {"w": jnp.zeros((8, 2)), "b": jnp.zeros(2)}
-_rng = np.random.default_rng(0)
-data_parallel_micro_batches = [
-  (
-    _rng.normal(size=(16, 4, 8)).astype(np.float32),
-    _rng.normal(size=(16, 4, 2)).astype(np.float32),
-    (np.arange(4) < _rng.integers(1, 5, size=(16, 1))).astype(np.float32),
-  )
-  for _ in range(8)
-]
-""",
-}
-
 _MARKER = re.compile(
-  r"<!--\s*docs-test:\s*(setup=(?P<setup>\w+)|skip:(?P<skip>.+?)"
-  r"|(?P<accelerator>accelerator))\s*-->"
+  r"<!--\s*docs-test:\s*(skip:(?P<skip>.+?)|(?P<accelerator>accelerator))\s*-->"
 )
 
 
@@ -182,7 +84,6 @@ class Block:
   path: pathlib.Path  # the file that holds the block
   line: int  # 1-based line of the opening fence
   code: str
-  setup: str | None
   skip: str | None
   expected_output: str | None
   accelerator: bool = False
@@ -264,7 +165,6 @@ def python_blocks(path: pathlib.Path) -> list[Block]:
         path=path,
         line=start + 1,
         code=code,
-        setup=marker and marker["setup"],
         skip=marker and marker["skip"] and marker["skip"].strip(),
         expected_output=output,
         accelerator=bool(marker and marker["accelerator"]),
@@ -276,39 +176,72 @@ def python_blocks(path: pathlib.Path) -> list[Block]:
 BLOCKS = [block for path in PAGES for block in python_blocks(path)]
 
 
-class _Runner:
-  """Runs one page's blocks in order, in one namespace, once each."""
-
-  def __init__(self, tmp: pathlib.Path):
-    self.namespace = {"__name__": "__docs__", "_docs_tmp": tmp}
-    self.done: dict[str, tuple[BaseException | None, str]] = {}
-
-  def run(self, block: Block) -> tuple[BaseException | None, str]:
-    if block.id not in self.done:
-      stdout = io.StringIO()
-      error = None
-      try:
-        with contextlib.redirect_stdout(stdout):
-          if block.setup:
-            exec(SETUPS[block.setup], self.namespace)
-          exec(compile(block.code, block.id, "exec"), self.namespace)
-      except Exception as e:  # re-raised by the block's own test
-        error = e
-      self.done[block.id] = (error, stdout.getvalue())
-    return self.done[block.id]
+def script_blocks(page: pathlib.Path) -> list[Block]:
+  """The blocks that make `page`'s script, in the page's order: all but the
+  skipped ones and those that run alone (``accelerator``)."""
+  return [b for b in python_blocks(page) if not b.skip and not b.accelerator]
 
 
-_RUNNERS: dict[pathlib.Path, _Runner] = {}
+@dataclasses.dataclass(frozen=True)
+class Script:
+  """A page's blocks joined into one Python source, as a reader who copies
+  them top to bottom runs them, and what it must print."""
+
+  page: pathlib.Path
+  source: str
+  expected_output: str
+  lines: tuple[tuple[int, Block], ...]  # (first script line, block)
+
+  def where(self, lineno: int) -> str:
+    """The file line (``path:line``) of line `lineno` of the script."""
+    first, block = max((f, b) for f, b in self.lines if f <= lineno)
+    line = f"{block.path.relative_to(ROOT)}:{block.line + lineno - first + 1}"
+    return line if block.page is None else f"{line} (shown on {block.id})"
 
 
-@pytest.fixture
-def runner(request, tmp_path_factory):
-  def get(path: pathlib.Path) -> _Runner:
-    if path not in _RUNNERS:
-      _RUNNERS[path] = _Runner(tmp_path_factory.mktemp("docs"))
-    return _RUNNERS[path]
+def page_script(page: pathlib.Path) -> Script:
+  """`page`'s blocks as one script (see `Script`)."""
+  source, expected, lines, at = [], [], [], 1
+  for block in script_blocks(page):
+    lines.append((at, block))
+    source.append(block.code)
+    at += block.code.count("\n") + 2  # the blank line between blocks
+    if block.expected_output is not None:
+      expected.append(block.expected_output.rstrip("\n"))
+  return Script(page, "\n\n".join(source), "\n".join(expected), tuple(lines))
 
-  return get
+
+SCRIPT_PAGES = [page for page in PAGES if script_blocks(page)]
+
+
+def run_script(script: Script) -> str:
+  """Runs `script` in a fresh namespace; its stdout. An exception is
+  re-raised naming the page line it came from."""
+  name = f"<{script.page.relative_to(ROOT)} as one script>"
+  code = compile(script.source, name, "exec")
+  stdout = io.StringIO()
+  try:
+    with contextlib.redirect_stdout(stdout):
+      exec(code, {"__name__": "__docs__"})
+  except Exception as e:
+    frames = [
+      f for f in traceback.extract_tb(e.__traceback__) if f.filename == name
+    ]
+    where = script.where(frames[-1].lineno) if frames else name
+    raise AssertionError(f"{where}: {type(e).__name__}: {e}") from e
+  return stdout.getvalue()
+
+
+@pytest.mark.parametrize(
+  "page", SCRIPT_PAGES, ids=[str(p.relative_to(ROOT)) for p in SCRIPT_PAGES]
+)
+def test_page_runs_as_one_script(page):
+  """The page's blocks as one script, nothing run before or between them;
+  what it prints is the page's ```text blocks, in order (a block that
+  prints shows its output)."""
+  script = page_script(page)
+  printed = run_script(script)
+  assert printed.rstrip("\n") == script.expected_output
 
 
 def _run_on_its_own(block: Block, tmp_path: pathlib.Path) -> str:
@@ -320,25 +253,35 @@ def _run_on_its_own(block: Block, tmp_path: pathlib.Path) -> str:
   )
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
-def test_page_block_runs(block, runner, tmp_path):
-  if block.skip:
-    pytest.skip(block.skip)
-  if block.accelerator:
-    stdout = _run_on_its_own(block, tmp_path)
-  else:
-    page = runner(block.namespace)
-    # Earlier blocks first (when this test runs alone, e.g. with -k).
-    for earlier in python_blocks(block.namespace):
-      if earlier.id == block.id:
-        break
-      if not earlier.skip and not earlier.accelerator:
-        page.run(earlier)
-    error, stdout = page.run(block)
-    if error is not None:
-      raise error
+ALONE = [b for b in BLOCKS if b.accelerator and not b.skip]
+
+
+@pytest.mark.parametrize("block", ALONE, ids=[b.id for b in ALONE])
+def test_accelerator_block_runs_alone(block, tmp_path):
+  stdout = _run_on_its_own(block, tmp_path)
   if block.expected_output is not None:
     assert stdout.rstrip() == block.expected_output.rstrip()
+
+
+def test_getting_started_is_one_script_with_its_data():
+  """Issue 53: getting started runs as shown, top to bottom: the README's
+  quick start (included) makes its params and micro-batches itself, and
+  no block of the page is taken out of the script."""
+  page = GUIDES / "getting_started.md"
+  assert page in SCRIPT_PAGES
+  assert script_blocks(page) == python_blocks(page)
+  first = script_blocks(page)[0]
+  assert first.path == ROOT / "README.md"  # the quick start, included
+  tree = ast.parse(first.code)
+  made = {
+    t.id
+    for node in ast.walk(tree)
+    if isinstance(node, ast.Assign)
+    for t in node.targets
+    if isinstance(t, ast.Name)
+  }
+  assert {"params", "micro_batches"} <= made, made
+  assert page_script(page).expected_output  # it shows what it prints
 
 
 # The python blocks on the pages when the guides moved into docs/ (issue 39:
@@ -354,17 +297,16 @@ def test_blocks_are_found_and_markers_are_known():
   own = [b for b in BLOCKS if b.page is None]
   assert len(own) >= BLOCKS_BEFORE_THE_SITE, len(own)
   assert any(b.page is not None for b in BLOCKS)  # the quick start, included
-  used = {b.setup for b in BLOCKS if b.setup}
-  assert used <= set(SETUPS), used - set(SETUPS)
-  assert set(SETUPS) <= used, f"unused setups: {set(SETUPS) - used}"
   for path in PAGES:
     text = path.read_text()
-    # Every marker sits right above a python block (no stray, ignored ones).
+    # Every marker sits right above a python block (no stray, ignored ones),
+    # and none asks for a hidden set-up: a page makes what it uses.
+    assert "docs-test: setup=" not in text, path
     markers = re.findall(r"^<!-- docs-test:", text, flags=re.M)
     assert len(markers) == sum(
       1
       for b in python_blocks(path)
-      if b.page is None and (b.setup or b.skip or b.accelerator)
+      if b.page is None and (b.skip or b.accelerator)
     ), path
     for block in python_blocks(path):
       ast.parse(block.code)  # skipped blocks must at least be Python
