@@ -341,6 +341,55 @@ def test_lr_schedule_output_in_the_guide_is_the_scripts():
 
 
 # ---------------------------------------------------------------------------
+# The changelog (Keep a Changelog), on the site.
+# ---------------------------------------------------------------------------
+
+CHANGELOG = ROOT / "CHANGELOG.md"
+KAC_SECTIONS = {
+  "Added",
+  "Changed",
+  "Deprecated",
+  "Removed",
+  "Fixed",
+  "Security",
+}
+
+
+def test_changelog_is_keep_a_changelog():
+  """An ``[Unreleased]`` section first, then released versions newest
+  first, each ``## [X.Y.Z] - YYYY-MM-DD``; only the six kinds of change."""
+  text = CHANGELOG.read_text()
+  versions = re.findall(r"^## (.+)$", text, flags=re.M)
+  assert versions[0] == "[Unreleased]", versions
+  released = [
+    re.fullmatch(r"\[(\d+\.\d+\.\d+)\] - \d{4}-\d\d-\d\d", v)
+    for v in versions[1:]
+  ]
+  assert all(released), versions
+  numbers = [tuple(map(int, m.group(1).split("."))) for m in released]
+  assert numbers == sorted(numbers, reverse=True), numbers
+  sections = set(re.findall(r"^### (.+)$", text, flags=re.M))
+  assert sections <= KAC_SECTIONS, sections - KAC_SECTIONS
+  # On the site: docs/changelog.md includes the file itself.
+  assert (
+    "```{include} ../CHANGELOG.md"
+    in (ROOT / "docs" / "changelog.md").read_text()
+  )
+
+
+def test_changelog_lists_every_moved_name():
+  """Each name that 0.2 moved behind a DeprecationWarning, with the name
+  that replaces it, in the 0.2.0 section."""
+  text = CHANGELOG.read_text()
+  section = text[text.index("## [0.2.0]") : text.index("## [0.1.0]")]
+  moved = optax_accum._MOVED
+  assert len(moved) == 13
+  for name, module in moved.items():
+    row = f"| `optax_accum.{name}` | `{module}.{name}` |"
+    assert row in section, row
+
+
+# ---------------------------------------------------------------------------
 # Every example answers --help.
 # ---------------------------------------------------------------------------
 
