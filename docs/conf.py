@@ -65,6 +65,7 @@ exclude_patterns = [
   "docs/_build",
   "docs/_ext",
   "docs/_root",
+  "docs/_static",
 ]
 root_doc = "docs/index"
 # `docs/_build/html/index.html`: a redirect to the site's index.
@@ -72,6 +73,10 @@ html_extra_path = ["_root"]
 
 html_theme = "furo"
 html_title = f"optax_accum {release}"
+# Wide tables wrap to the text column rather than scroll out of sight.
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
+html_js_files = ["table-breaks.js"]
 
 # Markdown pages: `#anchor` and `page.md#anchor` links resolve to headings
 # (a dead one is a warning, so an error); `$...$` and `{role}` as in the
@@ -144,12 +149,30 @@ api_coverage_modules = [
 ]
 
 
+# Titles of the results files that their scripts write without a heading.
+_RESULTS_TITLES = {
+  "examples/lm/results/results": (
+    "Adaptive batch size: fixed k, a token schedule, the noise-scale"
+    " controller (`examples/lm/adaptive.py`)"
+  ),
+  "examples/lm/results/wire_dtype": (
+    "The reduction's dtype on the wire: float32 or bfloat16"
+    " (`examples/lm/wire_dtype.py`)"
+  ),
+}
+
+
 def _title_results(app, docname, source):
-  """A results file that the scripts wrote without a heading gets its path
-  as its title (a page needs one to be listed)."""
+  """A results file that its script wrote without a heading gets a title (a
+  page needs one to be listed): its own from `_RESULTS_TITLES`, else its
+  name in words."""
   del app
   if "/results/" in docname and not source[0].lstrip().startswith("#"):
-    source[0] = f"# `{docname}.md`\n\n" + source[0]
+    title = _RESULTS_TITLES.get(docname)
+    if title is None:
+      words = docname.rsplit("/", 1)[-1].replace("_", " ")
+      title = f"Results: {words} (`{docname}.md`)"
+    source[0] = f"# {title}\n\n" + source[0]
 
 
 def setup(app):
