@@ -27,7 +27,9 @@ of copies. So:
   ``accumulate``, as an ``optax.chain`` member after it does, or other
   params) it applies what it is given inside a conditional of its own: the
   same values, in a program that may copy the accumulator on micro-steps
-  (``optax_accum.inspect.check_step`` reports it);
+  (``optax_accum.inspect.check_step`` reports it). It says so: a
+  ``UserWarning`` that names the misuse and its fix, once per misuse and
+  process (:func:`_warn_slow_route`);
 * lifetime: an entry lives as long as its first update tracer, i.e. for the
   trace that made it (``weakref.finalize`` removes it); eager calls record
   nothing (nothing runs there that could be skipped);
@@ -38,6 +40,7 @@ of copies. So:
   trace holds its tracers.
 """
 
+import warnings
 import weakref
 from typing import Any, NamedTuple
 
@@ -165,6 +168,7 @@ def apply_updates(
     return record.new_params
   if how == "eager":
     return optax.apply_updates(params, updates) if bool(emitted) else params
+  _warn_slow_route(record)
   return _control.cond(emitted, optax.apply_updates, _keep, params, updates)
 
 
@@ -185,3 +189,48 @@ def _route(record: _Record | None, params: Any, emitted: jax.Array) -> str:
   if not isinstance(emitted, jax.core.Tracer):
     return "eager"
   return "fallback"
+
+
+# Why a traced apply_updates took its own conditional, and the fix; each
+# said once per process (`_WARNED`), since a jitted step traces once.
+_SLOW_ROUTES = {
+  "foreign_updates": (
+    "the updates are not the ones an accumulate update returned in this"
+    " trace: transformed after it (an optax.chain member after accumulate,"
+    " a scale by hand), or returned by an update traced in another jitted"
+    " function. Put every per-step transformation inside accumulate's"
+    " `inner` (it runs once per cycle there), and call apply_updates in the"
+    " same jitted step as tx.update, on the updates it returned."
+  ),
+  "no_params": (
+    "the update that returned these updates was given no params. Pass them:"
+    " tx.update(grads, opt_state, params)."
+  ),
+  "other_params": (
+    "the params are not the ones given to the update that returned these"
+    " updates. Pass apply_updates the same params as tx.update."
+  ),
+}
+_WARNED: set[str] = set()
+
+
+def _warn_slow_route(record: _Record | None) -> None:
+  """Warns, once per misuse, that :func:`apply_updates` applies in a
+  conditional of its own: the right params, in a program that may read and
+  write them (and copy the accumulator) on every micro-step."""
+  if record is None:
+    why = "foreign_updates"
+  elif record.new_params is None:
+    why = "no_params"
+  else:
+    why = "other_params"
+  if why in _WARNED:
+    return
+  _WARNED.add(why)
+  warnings.warn(
+    "optax_accum.apply_updates returns the right params, but not by its"
+    " fast route (the params the update computed, untouched on a"
+    " micro-step): " + _SLOW_ROUTES[why],
+    UserWarning,
+    stacklevel=3,
+  )

@@ -51,17 +51,17 @@ _reduce = _accumulate._reduce
 
 
 def _reduction_after_the_whole_gradient(
-  config, engine, inner, acc, weight, noise, per_leaf
+  config, engine, inner, cycle, *, per_leaf
 ):
   """Every leaf's reduction waits for the whole accumulator."""
-  acc = lax.optimization_barrier(acc)
-  return _reduce(config, engine, inner, acc, weight, noise, per_leaf)
+  cycle = cycle._replace(acc=lax.optimization_barrier(cycle.acc))
+  return _reduce(config, engine, inner, cycle, per_leaf=per_leaf)
 
 
 def _narrow_updates_shared(config, engine, inner, cycle):
   """Before issue 52: bf16 updates through the float32 accumulator's
   buffer, applied after the conditional."""
-  return _accumulate._decide(config, engine, inner, cycle, True)
+  return _accumulate._decide(config, engine, inner, cycle, shares=True)
 
 
 # name -> (module, attribute, replacement)

@@ -6,6 +6,9 @@ What it compiles to (no parameter work on a micro-step) is held by
 here, that it returns the right params in every way it can be called.
 """
 
+import contextlib
+import warnings
+
 import _common
 import chex
 import flax.nnx as nnx
@@ -16,7 +19,19 @@ import optax
 import pytest
 
 import optax_accum
+from optax_accum import _apply
 from tools import program
+
+# What each misuse's warning says (optax_accum/_apply.py, issue 54).
+FOREIGN = "transformed after it"
+NO_PARAMS = "was given no params"
+OTHER_PARAMS = "not the ones given to the update"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+  """Each test sees the once-per-process warnings anew."""
+  monkeypatch.setattr(_apply, "_WARNED", set())
 
 
 def _run(tx, apply, calls=7, jit=True, pass_params=True, **options):
@@ -64,12 +79,23 @@ TRANSFORMATIONS = {
 @pytest.mark.parametrize("name", list(TRANSFORMATIONS))
 @pytest.mark.parametrize("pass_params", [True, False])
 def test_equals_optax_apply_updates(name, jit, pass_params):
-  ours = _run(
-    TRANSFORMATIONS[name](),
-    optax_accum.apply_updates,
-    jit=jit,
-    pass_params=pass_params,
-  )
+  """The same params in every way it is called; where the updates or the
+  params are not the update's own, under jit, a warning names the fix."""
+  misuse = None
+  if jit and name == "scaled_after":
+    misuse = FOREIGN
+  elif jit and not pass_params:
+    misuse = NO_PARAMS
+  warns = contextlib.nullcontext()
+  if misuse is not None:
+    warns = pytest.warns(UserWarning, match=misuse)
+  with warns:
+    ours = _run(
+      TRANSFORMATIONS[name](),
+      optax_accum.apply_updates,
+      jit=jit,
+      pass_params=pass_params,
+    )
   theirs = _run(
     TRANSFORMATIONS[name](), _optax_apply, jit=jit, pass_params=pass_params
   )
@@ -109,7 +135,46 @@ def test_other_params_than_those_updated_with_are_applied_as_given():
     updates, state = tx.update({"w": jnp.ones(2)}, state, params)
     return optax_accum.apply_updates(other, updates, state)
 
-  np.testing.assert_array_equal(step(params, other, state)["w"], [9.0, 9.0])
+  with pytest.warns(UserWarning, match=OTHER_PARAMS):
+    new = step(params, other, state)
+  np.testing.assert_array_equal(new["w"], [9.0, 9.0])
+
+
+def test_updates_of_another_trace_are_applied_and_named():
+  """update and apply_updates in two jitted functions: the right params,
+  and a warning that names the fix; once per misuse and process."""
+  tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  update = jax.jit(lambda g, s, p: tx.update(g, s, p))
+  apply = jax.jit(optax_accum.apply_updates)
+  with pytest.warns(UserWarning, match=FOREIGN) as record:
+    for g in (1.0, 3.0):
+      updates, state = update({"w": jnp.full(2, g)}, state, params)
+      params = apply(params, updates, state)
+      apply = jax.jit(optax_accum.apply_updates)  # traced anew: said once
+  assert len(record) == 1, [str(w.message) for w in record]
+  np.testing.assert_array_equal(params["w"], [-2.0, -2.0])
+
+
+def test_the_fast_route_says_nothing():
+  """The documented step (update given the params, apply_updates on its
+  updates in the same trace) warns of nothing: the suite turns warnings
+  into errors, and this checks it here too."""
+  tx = optax_accum.accumulate(optax.adam(0.1), 2)
+  params = _common.params()
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax_accum.apply_updates(params, updates, state), state
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for i in range(3):
+      params, state = step(params, state, _common.grads(i))
+  assert not _apply._WARNED
 
 
 @pytest.mark.parametrize("emit", [False, True])

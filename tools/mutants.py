@@ -65,6 +65,16 @@ FORMS = "tests/test_backend_forms.py"
 FLAX = "tests/test_flax_dropins.py"
 
 MUTANTS = [
+  # -- apply_updates' contract tells when it is broken (issue 54). ---------
+  _m(
+    "apply_updates slow route silent",
+    "_apply.py",
+    "  _warn_slow_route(record)\n",
+    "",
+    ["tests/test_apply_updates.py"],
+    "updates transformed after accumulate: the step copies on every"
+    " micro-step and nothing says why",
+  ),
   # -- The eleven of issue 37 (tests/test_edges.py holds each). ------------
   _m(
     "issue-1 fractional total weight left undivided",
@@ -110,8 +120,8 @@ MUTANTS = [
   _m(
     "issue-6 weightless cycle's inner state kept under selects",
     "_accumulate.py",
-    "new_state = select(updated, new_state, state)",
-    "new_state = new_state",
+    "state = select(weighted, ran.inner_state, operands.state)",
+    "state = ran.inner_state",
     [EDGES, "-k", "weightless"],
     "a weightless cycle ended with emit=True (or on GPU/TPU) steps Adam",
   ),
@@ -187,8 +197,8 @@ MUTANTS += [
   _m(
     "extra arguments dropped on emitting calls",
     "_accumulate.py",
-    "inner.tx.update(grad, state, params, **inner.extra_args)",
-    "inner.tx.update(grad, state, params)",
+    "grad, operands.state, params, **inner.extra_args",
+    "grad, operands.state, params",
     [EDGES, "-k", "extra_arguments"],
     "update(..., value=v): inner raises a TypeError",
   ),
@@ -352,32 +362,32 @@ MUTANTS += [
   _m(
     "emit=True emits a weightless cycle",
     "_accumulate.py",
-    "updated = jnp.asarray(True) if weight_checked else ~(weight <= 0)",
-    "updated = jnp.asarray(True)",
+    "updated=mean.operands.weighted,",
+    "updated=jnp.asarray(True),",
     [DIFF, "-k", "emit_k3 and not nojit"],
     "emit=True on a cycle of weight 0: has_updated, step += 1",
   ),
   _m(
     "CPU own-buffer end steps inner on a weightless cycle",
     "_accumulate.py",
-    "cpu=lambda *o: _control.run_if_weighted(updated, run, skip, updated, *o),",
-    "cpu=lambda *o: run(updated, *o),",
+    "return _control.run_if_weighted(operands.weighted, run, skip, operands)",
+    "return run(operands)",
     [EDGES, "-k", "weightless"],
     "bf16 accumulator, weightless cycle: Adam's count moves",
   ),
   _m(
     "acc_weight kept after a cycle ends",
     "_accumulate.py",
-    "acc_weight = jnp.where(cycle.ends, 0.0, weight)",
-    "acc_weight = weight",
+    "acc_weight=jnp.where(cycle.ends, 0.0, branch.weight),",
+    "acc_weight=branch.weight,",
     [FORMS, "-k", "same_run and bf16_accumulator"],
     "zeros marked as leftovers: GPU/TPU throw the next cycle away",
   ),
   _m(
     "emit=True keeps acc_weight",
     "_accumulate.py",
-    "    return done, acc, jnp.zeros_like(cycle.weight)",
-    "    return done, acc, cycle.weight",
+    "engine)\n    return ended(ran, acc, jnp.zeros_like(cycle.weight))",
+    "engine)\n    return ended(ran, acc, cycle.weight)",
     [FORMS, "-k", "same_run and static"],
     "zeros marked as leftovers: after emit=True, GPU/TPU lose the next cycle",
   ),
@@ -392,8 +402,8 @@ MUTANTS += [
   _m(
     "a weightless CPU cycle's end unmarked",
     "_accumulate.py",
-    "return params, out, jnp.where(cycle_ends & (weight == 0), -jnp.inf, weight)",
-    "return params, out, weight",
+    "params, out, jnp.where(ends & (weight == 0), -jnp.inf, weight)",
+    "params, out, weight",
     [FORMS, "-k", "same_run and weightless_sum"],
     "a CPU state resumed on GPU/TPU adds a weightless cycle's sum",
   ),
@@ -500,8 +510,8 @@ MUTANTS += [
   _m(
     "bf16 cycle on GPU/TPU folds no noise",
     "_accumulate.py",
-    "    ran = (done.inner_state, done.noise, done.updated)",
-    "    ran = (done.inner_state, cycle.noise, done.updated)",
+    "params=ran.params,\n      noise=mean.noise,",
+    "params=ran.params,\n      noise=cycle.noise,",
     [FORMS, "-k", "bf16_params"],
     "noise_scale never moves with bf16 params on GPU/TPU",
   ),
