@@ -10,10 +10,9 @@ The top level holds what a train step uses; the rest sits in namespaces:
   ``TrainState`` (imports flax when used);
 * :mod:`optax_accum.multisteps`: coming from ``optax.MultiSteps``;
 * :mod:`optax_accum.upgrade`: checkpoints of earlier versions;
-* :mod:`optax_accum.types`: the state records;
+* :mod:`optax_accum.types`: the state records, and what
+  ``grow_every_k``, ``inner_for_every_k`` and ``plan_micro_batch`` return;
 * :mod:`optax_accum.targets`: accelerators to compile for without one.
-
-Which file owns what: ``optax_accum/README.md``.
 """
 
 import importlib

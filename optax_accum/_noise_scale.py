@@ -69,6 +69,10 @@ class NoiseStats(NamedTuple):
   count: jax.Array  # int32[]
 
 
+# Its public name (help(), the API reference, pickles); it lives here.
+NoiseStats.__module__ = "optax_accum.distributed"
+
+
 DEFAULT_DECAY = 0.99  # accumulate's noise_scale_decay
 
 

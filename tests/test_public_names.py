@@ -14,10 +14,12 @@ import optax
 import pytest
 
 import optax_accum
+import optax_accum.distributed
 import optax_accum.types
 
 PUBLIC_CLASSES = [
-  (optax_accum.types, name) for name in optax_accum.types.__all__
+  *((optax_accum.types, name) for name in optax_accum.types.__all__),
+  (optax_accum.distributed, "NoiseStats"),
 ]
 
 
