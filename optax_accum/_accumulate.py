@@ -54,10 +54,12 @@ whether the updates may share the accumulator's buffer), so that a call
 without it calls only :class:`Local`'s methods.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import functools
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +74,8 @@ from optax_accum._noise_scale import NoiseStats
 from optax_accum._state import AccumulateState, NoiseScaleState
 
 EveryK = int | Callable[..., Any] | _every_k.GrowEveryK
+# What `reduction=` and `gradients=` take (checked at construction too).
+MeanOrSum = Literal["mean", "sum"]
 
 # ----------------------------------------------------------------------------
 # The configuration and the transformation.
@@ -86,13 +90,13 @@ class Config:
   # for inner_for_every_k).
   inner: Callable[[jax.Array], optax.GradientTransformationExtraArgs]
   every_k: _every_k.Spec
-  reduction: str  # "mean" or "sum"
+  reduction: MeanOrSum
   accumulator_dtype: jnp.dtype | None
   skip_nonfinite: bool
   axis_name: Hashable | None
   track_noise_scale: bool
   noise_scale_decay: float
-  gradients: str  # "mean" or "sum": what each gradient is over its weight
+  gradients: MeanOrSum  # what each gradient is over its weight
   reduce_dtype: jnp.dtype | None
 
 
@@ -101,13 +105,13 @@ def accumulate(
   inner: optax.GradientTransformation,
   every_k: EveryK,
   *,
-  reduction: str = "mean",
+  reduction: MeanOrSum = "mean",
   accumulator_dtype: Any = jnp.float32,
   skip_nonfinite: bool = False,
   axis_name: Hashable | None = None,
   track_noise_scale: bool = False,
   noise_scale_decay: float = _noise_scale.DEFAULT_DECAY,
-  gradients: str = "mean",
+  gradients: MeanOrSum = "mean",
   reduce_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates gradients over ``every_k`` micro-batches, then runs ``inner``.
@@ -210,7 +214,8 @@ def accumulate(
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` is
     ``update(updates, state, params=None, *, weight=None, flush=False,
-    emit=None, noise_stats=None, **extra_args)`` and whose state is an
+    emit=None, noise_stats=None, **extra_args)`` (``help(tx.update)``
+    says what each does) and whose state is an
     :class:`AccumulateState`. Apply its updates with
     :func:`optax_accum.apply_updates`: a micro-step then neither reads nor
     writes the params.
@@ -259,8 +264,59 @@ def accumulate(
   # `init` is `partial(_init, config)`: `config_of` reads the configuration
   # back from it (optax_accum.multisteps.restore_target builds the state of
   # the MultiSteps run a transformation replaces).
+
+  def update(
+    updates: optax.Updates,
+    state: AccumulateState,
+    params: optax.Params | None = None,
+    *,
+    weight: jax.typing.ArrayLike | None = None,
+    flush: bool | jax.Array = False,
+    emit: bool | None = None,
+    noise_stats: NoiseStats | None = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, AccumulateState]:
+    """Adds one micro-batch's gradient; ends the cycle at its k-th.
+
+    Args:
+      updates: The micro-batch's gradient, a tree like the params.
+      state: The :class:`AccumulateState` of the previous call (or
+        ``init``).
+      params: The params, as optax's ``update`` takes them. Give them:
+        :func:`optax_accum.apply_updates` then applies the updates without
+        reading or writing the params on a micro-step.
+      weight: The micro-batch's weight :math:`w_i` (its number of examples
+        or tokens), a non-negative scalar; default 1.
+      flush: True ends the cycle at this call, normalised by what it holds
+        (the partial last window of an epoch); a Python bool or a traced
+        ``bool[]``.
+      emit: ``True`` or ``False`` (a Python bool) says at trace time whether
+        this call ends the cycle, and compiles without the conditional that
+        decides it; ``None`` (default) lets the device decide.
+      noise_stats: With unreduced gradients under plain ``jit`` and
+        ``track_noise_scale``: what
+        :func:`optax_accum.distributed.local_value_and_grad` measured.
+      **extra_args: Passed to ``inner``'s ``update`` on the call that ends a
+        cycle (e.g. ``value=`` for ``optax.contrib.reduce_on_plateau``).
+
+    Returns:
+      ``(updates, state)``: exact zeros on a micro-step, ``inner``'s updates
+      of the cycle's mean on the call that ends it; the next state.
+    """
+    return _update(
+      config,
+      updates,
+      state,
+      params,
+      weight=weight,
+      flush=flush,
+      emit=emit,
+      noise_stats=noise_stats,
+      **extra_args,
+    )
+
   return optax.GradientTransformationExtraArgs(
-    functools.partial(_init, config), functools.partial(_update, config)
+    functools.partial(_init, config), update
   )
 
 
