@@ -242,7 +242,7 @@ def accumulate(
     >>> print(state.micro_step)  # no cycle open
     0
     >>> u, state = tx.update(jnp.array([2.0, 2.0]), state, params)
-    >>> print(state.acc_grads, state.acc_weight)  # a new cycle, from zeros
+    >>> print(state.acc_buffer, state.acc_weight)  # a new cycle, from zeros
     [2. 2.] 1.0
   """
   _checks.options(reduction, axis_name, gradients)
@@ -488,12 +488,12 @@ def _update(
 ) -> tuple[optax.Updates, AccumulateState]:
   # 1. The arguments, checked; the engine for this trace.
   _checks.state(state, config.track_noise_scale)
-  _checks.trees(updates, params, state.acc_grads)
+  _checks.trees(updates, params, state.acc_buffer)
   if config.axis_name is None:
     _checks.not_unreduced(updates)
     engine = LOCAL
   else:
-    engine = _engine_for_update(config.axis_name, updates, state.acc_grads)
+    engine = _engine_for_update(config.axis_name, updates, state.acc_buffer)
   call = _checks.update_call(
     weight=weight,
     flush=flush,
@@ -514,7 +514,7 @@ def _update(
     and not call.may_flush
     and not config.skip_nonfinite
     and config.axis_name is None
-    and _fits(updates, state.acc_grads)
+    and _fits(updates, state.acc_buffer)
   ):  # k = 1 without weights, flush, skips, axis, `emit` or a narrower
     # accumulator (whose rounding every other path applies): `inner` alone.
     return _inner_alone(inner, updates, state, params, extra_args)
@@ -607,7 +607,7 @@ def _add(
     flush = engine.agree(lax.pmax, flush)
 
   start, cycle_weight = _cycle_start(
-    engine, state.micro_step, state.acc_grads, state.acc_weight
+    engine, state.micro_step, state.acc_buffer, state.acc_weight
   )
 
   keep = accepted if config.skip_nonfinite else None

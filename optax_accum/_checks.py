@@ -411,7 +411,7 @@ def not_a_foreign_restore(value: Any) -> None:
     return
   if float(value.acc_weight) != 0:
     return
-  leaves = jax.tree.leaves(value.acc_grads)
+  leaves = jax.tree.leaves(value.acc_buffer)
   if is_traced(leaves) or not all(
     getattr(x, "is_fully_addressable", True) for x in leaves
   ):

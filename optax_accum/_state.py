@@ -128,11 +128,11 @@ class AccumulateState(NamedTuple):
       ``changed_at`` and ``micro_batches``). The same on every device.
     acc_grads: The accumulator, a tree like the params with leaves in
       ``accumulator_dtype``: :math:`\\sum_i w_i g_i` over the micro-batches
-      of the current cycle. At ``micro_step == 0`` (fresh, or after a call
-      that ends a cycle) zeros, or, where ``acc_weight`` is not 0 there,
-      leftovers of the last cycle (its updates: a program compiled for CPU
-      leaves them rather than spend a pass over the accumulator on zeros),
-      which the next call does not read.
+      of the current cycle, zeros where no cycle is open (``micro_step ==
+      0``: fresh, or after a call that ends a cycle), on every backend. Read
+      by name, that is what it gives. The field itself (its place in the
+      tuple, what ``jax.tree`` functions, Orbax and ``jit`` see) is the
+      accumulator's buffer, :attr:`acc_buffer`, which may hold more.
     acc_scalars: ``float32[1]``: ``acc_weight``; ``float32[3]`` with
       ``track_noise_scale`` (then the noise scale's ``sq_norm_sum`` and
       ``count``). Like ``acc_grads``, each device's own under
@@ -142,9 +142,19 @@ class AccumulateState(NamedTuple):
   """
 
   counters: jax.Array  # int32[7 | 10 | 12], see COUNTERS
-  acc_grads: optax.Updates
+  acc_grads: optax.Updates  # read by name: see _read_acc_grads below
   acc_scalars: jax.Array  # float32[1 | 3]
   inner_state: optax.OptState
+
+  @property
+  def acc_buffer(self) -> optax.Updates:
+    """The accumulator's buffer, as stored (the ``acc_grads`` field's place
+    in the tuple). While a cycle is open it is :attr:`acc_grads`; where
+    none is, it holds zeros, or what the last cycle left there (a program
+    compiled for CPU leaves the cycle's updates rather than spend a pass
+    over the accumulator on zeros; the stored weight beside them, not 0,
+    marks them), which no call reads. Write it with :meth:`replace`."""
+    return tuple.__getitem__(self, 1)
 
   @property
   def micro_step(self) -> jax.Array:
@@ -189,9 +199,11 @@ class AccumulateState(NamedTuple):
   def acc_weight(self) -> jax.Array:
     """``float32[]``. :math:`\\sum_i w_i`, the total weight accumulated in
     the current cycle (with the default weight of 1, the number of
-    micro-batches). At ``micro_step == 0``: 0, or the last cycle's weight
-    beside its leftovers (-inf for a weightless cycle's)."""
-    return _entry(self.acc_scalars, 0)
+    micro-batches); 0 where no cycle is open (``micro_step == 0``), on every
+    backend. (Stored, ``acc_scalars[..., 0]``, it may mark what the last
+    cycle left in :attr:`acc_buffer`: its weight, -inf for a weightless
+    one.)"""
+    return _open_cycle(self, _entry(self.acc_scalars, 0))
 
   @property
   def noise(self) -> "NoiseScaleState | optax.EmptyState":
@@ -225,10 +237,16 @@ class AccumulateState(NamedTuple):
 
   def replace(self, **values: Any) -> "AccumulateState":
     """The state with `values` replaced, by field or by name
-    (``state.replace(micro_step=0, acc_weight=2.0)``)."""
+    (``state.replace(micro_step=0, acc_weight=2.0)``). ``acc_grads`` and
+    ``acc_buffer`` both write the buffer, and ``acc_weight`` the stored
+    weight."""
+    if "acc_buffer" in values:
+      values["acc_grads"] = values.pop("acc_buffer")
     named = {name: values.pop(name) for name in _NAMED if name in values}
     if named:
       current = {name: getattr(self, name) for name in _NAMED}
+      # As stored, not as read: a mark beside leftovers stays.
+      current["acc_weight"] = _entry(self.acc_scalars, 0)
       values.update(pack(**{**current, **named}))
     return self._replace(**values)
 
@@ -246,6 +264,63 @@ class AccumulateState(NamedTuple):
 
 
 AccumulateState.__module__ = "optax_accum"
+
+
+# One meaning on every backend (issue 54): read by name, `acc_grads` is the
+# open cycle's sum, zeros where none is open, though the CPU form leaves the
+# cycle's updates in the buffer (`_accumulate._close`). The field keeps its
+# name and place, so that checkpoints of optax.MultiSteps and optax_accum
+# 0.2, whose `acc_grads` shares the name, still land there in a lenient
+# restore and are caught (`_checks.not_a_foreign_restore`); reading the name
+# gives the meaning, and the buffer as stored is `acc_buffer`. Serializers
+# see the buffer (`jax.tree` flattens by position), but flax's reads named
+# tuples by name: its state dicts hold the meaning, which resumes the same
+# (the TrainState drop-in saves the buffer, `flax/_linen.py`).
+def _read_acc_grads(self: AccumulateState) -> optax.Updates:
+  """The current cycle's sum :math:`\\sum_i w_i g_i` (a tree like the
+  params, in ``accumulator_dtype``): zeros where no cycle is open
+  (``micro_step == 0``), on every backend. On a layout (``PartitionSpec``
+  or sharding leaves) or abstract values, the field's own leaves."""
+  return _open_cycle(self, self.acc_buffer)
+
+
+AccumulateState.acc_grads = property(_read_acc_grads)
+
+
+def _open_cycle(state: AccumulateState, tree: Any) -> Any:
+  """`tree` (the state's buffer or stored weight) where a cycle is open
+  (``micro_step > 0``), else zeros in its place, leaf by leaf over any
+  leading axes (a stacked state's).
+
+  A layout or abstract values are returned as they are; array-likes (the
+  Variables of a ``flax.nnx.Optimizer``) are read as arrays. A concrete
+  state that holds nothing beside an open cycle (no stored weight where
+  none is open: what every GPU/TPU program, and every ``axis_name`` engine
+  but ``shard_map``'s, leaves) is returned as it is, with no select:
+  an unreduced buffer cannot be selected from outside ``jit``.
+  """
+  counters, weights = state.counters, state.acc_scalars
+  leaves = jax.tree.leaves(tree)
+  if not all(
+    isinstance(x, jax.Array) or hasattr(x, "__jax_array__")
+    for x in [counters, weights, *leaves]
+  ):
+    return tree
+  micro_step = jnp.asarray(counters)[..., 0]
+  stored = jnp.asarray(weights)[..., 0]
+  if not isinstance(micro_step, jax.core.Tracer) and not isinstance(
+    stored, jax.core.Tracer
+  ):
+    if bool(jnp.all((micro_step > 0) | (stored == 0))):
+      return jax.tree.map(jnp.asarray, tree)
+
+  def read(x: Any) -> jax.Array:
+    x = jnp.asarray(x)
+    lead = micro_step.shape + (1,) * (x.ndim - micro_step.ndim)
+    is_open = jnp.reshape(micro_step > 0, lead)
+    return jnp.where(is_open, x, jnp.zeros([], x.dtype))
+
+  return jax.tree.map(read, tree)
 
 
 # What `pack` and `replace` take by name.
@@ -343,8 +418,8 @@ class Values(NamedTuple):
   num_skipped: jax.Array  # int32[]
   emitted: jax.Array  # bool[]
   weight_seen: jax.Array  # float32[2]
-  acc_grads: Any
-  acc_weight: jax.Array  # float32[]
+  acc_buffer: Any  # as stored: see AccumulateState.acc_buffer
+  acc_weight: jax.Array  # float32[], as stored: a mark beside leftovers
   inner_state: Any
   noise: "NoiseScaleState | optax.EmptyState"
   grow: "GrowState | optax.EmptyState"
@@ -376,7 +451,7 @@ def unpack(state: AccumulateState) -> Values:
     num_skipped=c[..., 3],
     emitted=c[..., 4] != 0,
     weight_seen=bits(c[..., _WEIGHT_SEEN]),
-    acc_grads=state.acc_grads,
+    acc_buffer=state.acc_buffer,
     acc_weight=s[..., 0],
     inner_state=state.inner_state,
     noise=noise,

@@ -434,8 +434,10 @@ def _not_restored_from_elsewhere(
     return
   if state is None:
     return
+  # As stored (`acc_scalars`, `acc_buffer`), not as read: what a restorer
+  # filled in is there, whatever the counters say.
   counters = _values(
-    (state.micro_step, state.step, state.acc_weight, state.weight_seen)
+    (state.micro_step, state.step, state.acc_scalars, state.weight_seen)
     + (state.num_skipped,)
   )
   if counters is None or any(c.any() for c in counters):
@@ -446,7 +448,7 @@ def _not_restored_from_elsewhere(
     if restored_calls is None:
       return
     made = int(max((c.max() for c in restored_calls), default=0))
-  acc = _values(state.acc_grads)
+  acc = _values(state.acc_buffer)
   nonzero = acc is not None and any(a.any() for a in acc)
   if made <= 0 and not nonzero:
     return

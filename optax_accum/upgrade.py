@@ -77,8 +77,9 @@ def _as_v0_2(state: AccumulateState) -> StateV0_2:
     micro_step=state.micro_step,
     step=state.step,
     every_k=state.every_k,
-    acc_grads=state.acc_grads,
-    acc_weight=state.acc_weight,
+    # As stored: 0.2 read the buffer and its weight as they are.
+    acc_grads=state.acc_buffer,
+    acc_weight=state.acc_scalars[..., 0],
     weight_seen=state.weight_seen,
     inner_state=state.inner_state,
     num_skipped=state.num_skipped,

@@ -2,11 +2,13 @@
 ``optax_accum/_accumulate.py``).
 
 A program compiled for CPU and one compiled for GPU or TPU close a cycle in
-different ways: the CPU form leaves the updates in acc_grads as leftovers,
-marked by the cycle's weight at micro_step 0, which the next call does not
-read (a select fused into its add); the GPU/TPU form zeroes the accumulator
-in place (weight 0), and throws a CPU program's leftovers away with their
-cycle. Both mean the same state. This machine runs only the CPU form, so
+different ways: the CPU form leaves the updates in the accumulator's buffer
+(``acc_buffer``) as leftovers, marked by the cycle's stored weight at
+micro_step 0, which the next call does not read (a select fused into its
+add); the GPU/TPU form zeroes the accumulator in place (weight 0), and throws
+a CPU program's leftovers away with their cycle. Both mean the same state,
+and read the same: ``acc_grads`` and ``acc_weight`` are zeros and 0 after a
+cycle's end in both forms (issue 54). This machine runs only the CPU form, so
 these tests pin ``_accumulate._per_backend`` to each form in turn and run
 both on CPU: the same updates and params, bit for bit, states that mean the
 same, and a state saved by one form resumes in the other as if nothing had
@@ -19,6 +21,8 @@ import functools
 
 import _common
 import chex
+import flax.nnx as nnx
+import flax.serialization
 import jax
 import jax.numpy as jnp
 import optax
@@ -152,22 +156,31 @@ def _trajectory(monkeypatch, form, scenario, calls=12, jit=True):
   return out
 
 
+def _stored_weight(state):
+  """The weight as stored beside the buffer (a mark beside leftovers), not
+  as ``acc_weight`` reads it."""
+  return float(state.acc_scalars[0])
+
+
 def _meaning(state):
-  """`state` with leftovers (micro_step 0, a non-zero weight) replaced by
-  the zeros and weight 0 they stand for."""
-  if int(state.micro_step) != 0 or float(state.acc_weight) == 0:
+  """`state` as stored, with leftovers (micro_step 0, a non-zero stored
+  weight) replaced by the zeros and weight 0 they stand for."""
+  if int(state.micro_step) != 0 or _stored_weight(state) == 0:
     return state
   return state.replace(
-    acc_grads=jax.tree.map(jnp.zeros_like, state.acc_grads),
-    acc_weight=jnp.zeros_like(state.acc_weight),
+    acc_buffer=jax.tree.map(jnp.zeros_like, state.acc_buffer),
+    acc_weight=jnp.zeros([], jnp.float32),
   )
 
 
-def _assert_fresh(state):
-  chex.assert_trees_all_equal(
-    state.acc_grads, jax.tree.map(jnp.zeros_like, state.acc_grads)
-  )
-  assert float(state.acc_weight) == 0.0
+def _assert_fresh(state, stored=True):
+  """No cycle open: read as zeros and 0, and (`stored`) stored so too."""
+  read = [(state.acc_grads, float(state.acc_weight))]
+  if stored:
+    read.append((state.acc_buffer, _stored_weight(state)))
+  for tree, weight in read:
+    chex.assert_trees_all_equal(tree, jax.tree.map(jnp.zeros_like, tree))
+    assert weight == 0.0
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["nojit", "jit"])
@@ -184,15 +197,18 @@ def test_both_forms_give_the_same_run(monkeypatch, scenario, jit):
   for (p, s, u), (q, t, v) in zip(cpu, accelerator, strict=True):
     same(u, v, strict=True)
     same(p, q, strict=True)
-    # The whole state, leftovers read as what they mean.
+    # The whole state as stored, leftovers read as what they mean.
     same(_meaning(s), _meaning(t), strict=True)
+    # As a user reads it (the pin of issue 54): the same after every call.
+    same((s.acc_grads, s.acc_weight), (t.acc_grads, t.acc_weight))
     if int(t.micro_step) == 0:  # a cycle boundary: zeros on GPU/TPU
       _assert_fresh(t)
+      _assert_fresh(s, stored=False)  # and read so on CPU
     shares = scenario not in ("bf16_accumulator", *BF16_PARAMS)
     if int(s.micro_step) == 0 and shares and s.emitted:
       # The CPU form leaves the updates where they fit the accumulator's
       # buffer (float32 updates fit no bfloat16 one), marked by the weight.
-      assert float(s.acc_weight) != 0.0
+      assert _stored_weight(s) != 0.0
   assert any(bool(optax_accum.has_updated(s)) for _, s, _ in cpu)
 
 
@@ -339,14 +355,14 @@ def test_what_a_cycle_end_leaves_is_never_read(
   _, ended = _cycle(tx, tx.init(params), params, 0, static)
   assert int(ended.micro_step) == 0 and int(ended.step) == 1
   nan = ended.replace(
-    acc_grads=jax.tree.map(
-      lambda a: jnp.full_like(a, jnp.nan), ended.acc_grads
+    acc_buffer=jax.tree.map(
+      lambda a: jnp.full_like(a, jnp.nan), ended.acc_buffer
     ),
     acc_weight=jnp.float32(2.0),
   )
   zeros = ended.replace(
     acc_weight=jnp.float32(0.0),
-    acc_grads=jax.tree.map(jnp.zeros_like, ended.acc_grads),
+    acc_buffer=jax.tree.map(jnp.zeros_like, ended.acc_buffer),
   )
   calls = 3 if first == "skipped_first" else 2  # a skipped call counts not
   runs = []
@@ -401,7 +417,8 @@ def test_a_weightless_static_end_on_cpu_is_marked_for_the_other_form(
 
   _pin(monkeypatch, "cpu")
   _, state = cycle(tx().init(params), 0)
-  assert int(state.micro_step) == 0 and float(state.acc_weight) == -jnp.inf
+  assert int(state.micro_step) == 0 and _stored_weight(state) == -jnp.inf
+  _assert_fresh(state, stored=False)  # read as no cycle open
   _pin(monkeypatch, "accelerator")
   thrown, state = cycle(state, 2)
   assert not optax_accum.has_updated(state)
@@ -409,3 +426,45 @@ def test_a_weightless_static_end_on_cpu_is_marked_for_the_other_form(
   after, _ = cycle(state, 4)
   clean, _ = cycle(tx().init(params), 4)
   chex.assert_trees_all_equal(after, clean)
+
+
+def test_acc_grads_reads_the_cycle_wherever_it_is_read(monkeypatch):
+  """The CPU form's leftovers stay out of what a user reads (issue 54):
+  eager, under jit, inside a flax.nnx.Optimizer; flax's state dicts, which
+  read named tuples by name, resume the same run; the TrainState drop-in's
+  keeps the buffer as stored."""
+  _pin(monkeypatch, "cpu")
+  tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+  params = _common.params()
+  update = jax.jit(tx.update)
+  _, state = update(_common.grads(0), tx.init(params), params)
+  _, state = update(_common.grads(1), state, params)
+  assert _stored_weight(state) == 2.0  # leftovers, as stored
+  assert any(bool(jnp.any(a != 0)) for a in jax.tree.leaves(state.acc_buffer))
+  _assert_fresh(state, stored=False)
+  read = jax.jit(lambda s: (s.acc_grads, s.acc_weight))(state)
+  chex.assert_trees_all_equal(read, (state.acc_grads, state.acc_weight))
+  # Mid-cycle it is the sum itself.
+  _, mid = update(_common.grads(2), state, params)
+  chex.assert_trees_all_equal(mid.acc_grads, mid.acc_buffer)
+  assert float(mid.acc_weight) == 1.0
+  # flax.serialization: the meaning saved, the same run resumed.
+  restored = flax.serialization.from_bytes(
+    tx.init(params), flax.serialization.to_bytes(state)
+  )
+  runs = []
+  for start in (state, restored):
+    s, out = start, []
+    for i in range(2, 6):
+      updates, s = update(_common.grads(i), s, params)
+      out.append(updates)
+    runs.append(out)
+  chex.assert_trees_all_equal(runs[0], runs[1])
+  # Inside an nnx.Optimizer (its leaves are Variables).
+  model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+  optimizer = optax_accum.flax.Optimizer(model, tx, wrt=nnx.Param)
+  grads = nnx.grad(lambda m: (m(jnp.ones((1, 2))) ** 2).sum())(model)
+  for _ in range(2):
+    optimizer.update(model, grads)
+  assert float(jnp.asarray(optimizer.opt_state.acc_scalars)[0]) == 2.0
+  _assert_fresh(optimizer.opt_state, stored=False)

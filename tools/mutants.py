@@ -65,6 +65,15 @@ FORMS = "tests/test_backend_forms.py"
 FLAX = "tests/test_flax_dropins.py"
 
 MUTANTS = [
+  _m(
+    "acc_grads reads the CPU leftovers",
+    "_state.py",
+    "  return _open_cycle(self, self.acc_buffer)\n",
+    "  return self.acc_buffer\n",
+    [FORMS],
+    "opt_state.acc_grads after a cycle's end: the last updates on a laptop,"
+    " zeros on a GPU",
+  ),
   # -- apply_updates' contract tells when it is broken (issue 54). ---------
   _m(
     "apply_updates slow route silent",

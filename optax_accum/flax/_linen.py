@@ -108,6 +108,22 @@ def _holds_v0_2(state_dict: Any) -> bool:
   )
 
 
+def _stored(opt_state: Any) -> Any:
+  """`opt_state` with each AccumulateState as a mapping of its fields as
+  stored: flax reads a named tuple's fields by name, and ``acc_grads`` read
+  by name is the open cycle's sum, not the buffer (``_state.py``). The same
+  state dict as flax's own, bit for bit what the step left."""
+  return jax.tree.map(
+    lambda x: (
+      dict(zip(x._fields, x, strict=True))
+      if _state.is_accumulate_state(x)
+      else x
+    ),
+    opt_state,
+    is_leaf=_state.is_accumulate_state,
+  )
+
+
 def _register_checked_restore(cls: type) -> None:
   """Registers `cls`'s flax serialization: the stock dataclass one, with the
   restored optimizer state checked (:func:`optax_accum.multisteps.check_restored`).
@@ -123,7 +139,10 @@ def _register_checked_restore(cls: type) -> None:
 
   def to_state_dict(x: Any) -> dict[str, Any]:
     return {
-      name: serialization.to_state_dict(getattr(x, name)) for name in fields
+      name: serialization.to_state_dict(
+        _stored(x.opt_state) if name == "opt_state" else getattr(x, name)
+      )
+      for name in fields
     }
 
   def from_state_dict(x: Any, state: dict[str, Any]) -> Any:

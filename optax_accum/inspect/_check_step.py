@@ -328,10 +328,10 @@ def _compiled_facts(
   compiled = lowered.compile()
   program = _program.Program(compiled)
   acc_bytes = [
-    x.size * x.dtype.itemsize for x in jax.tree.leaves(state.acc_grads)
+    x.size * x.dtype.itemsize for x in jax.tree.leaves(state.acc_buffer)
   ]
   largest = max(acc_bytes, default=0)
-  positions = [state_position, *_params_positions(args, state.acc_grads)]
+  positions = [state_position, *_params_positions(args, state.acc_buffer)]
   copies = reductions = ()
   if emit is not True:  # A static emitting step has no micro-step.
     least = max(_MIN_COPY_BYTES, largest // 2)
