@@ -35,7 +35,7 @@ and the step should need no memory beyond the accumulator. So:
   :func:`_cycle_start`: where CPU and GPU/TPU programs differ);
 * with ``update(..., emit=True | False)`` the caller says at trace time
   whether the call ends the cycle: no conditional to decide it (a CPU
-  emitting step runs the inner optimizer in one, see
+  ``emit=True`` step runs the inner optimizer in one, see
   :func:`_end_cycle_now`).
 
 The structure tests (``tests/test_performance_structure.py`` for CPU,
@@ -127,12 +127,12 @@ def accumulate(
     \bar g = \sum_{i=1}^{k} w_i g_i \quad (\text{reduction="sum"}),
 
   and returns ``inner``'s updates; the other calls return exact zeros and
-  leave ``inner``'s state untouched. ``inner`` runs only on emitting calls
+  leave ``inner``'s state untouched. ``inner`` runs only on the calls that end a cycle
   (under ``jit`` inside a conditional), so its cost, and any schedule inside
   it, is paid once per optimizer step: put everything that should run once
   per optimizer step (clipping, weight decay, schedules) *inside* ``inner``.
   With per-example or per-token mean gradients, pass each micro-batch's
-  number of examples or tokens as ``weight``: the emitted gradient is then
+  number of examples or tokens as ``weight``: the gradient ``inner`` gets is then
   the big-batch mean, however unevenly they are spread.
 
   After a call that ends a cycle the state's ``micro_step`` is 0 and it
@@ -152,7 +152,7 @@ def accumulate(
     all-padding micro-batch; with ``gradients="sum"``, only under
     ``skip_nonfinite``: without it a summed gradient is added as is, so
     that XLA fuses the add into the GEMM); a cycle whose total weight is
-    not positive emits zeros and leaves ``inner``'s state and ``step``
+    not positive returns zeros and leaves ``inner``'s state and ``step``
     unchanged. A concrete negative weight raises, and so does a concrete
     NaN or Inf one unless ``skip_nonfinite``; a traced weight is used as
     given (a NaN or Inf one makes the cycle's gradient NaN);
@@ -183,11 +183,11 @@ def accumulate(
     reduction: ``"mean"`` (weighted mean, the default) or ``"sum"``.
     accumulator_dtype: The accumulator's dtype (float32 by default, so bf16
       gradients lose no precision); ``None`` keeps each gradient's dtype.
-      Complex gradients get the matching complex dtype. Emitted gradients
+      Complex gradients get the matching complex dtype. The mean gradients
       keep the gradient's dtype.
     skip_nonfinite: Drop micro-batches with a non-finite gradient or weight.
     axis_name: A mesh axis (or tuple of axes) over which the accumulated
-      gradients are summed on emitting calls only: communication once per
+      gradients are summed on the calls that end a cycle only: once per
       cycle instead of once per micro-batch. Where the axis is bound
       (``shard_map``, ``pmap``, a named ``vmap``) pass each device's local
       gradient and weight (the state's layout:
@@ -242,7 +242,7 @@ def accumulate(
     >>> print(state.micro_step)  # no cycle open
     0
     >>> u, state = tx.update(jnp.array([2.0, 2.0]), state, params)
-    >>> print(state.acc_buffer, state.acc_weight)  # a new cycle, from zeros
+    >>> print(state.acc_grads, state.acc_weight)  # a new cycle, from zeros
     [2. 2.] 1.0
   """
   _checks.options(reduction, axis_name, gradients)
@@ -487,13 +487,13 @@ def _update(
   **extra_args: Any,
 ) -> tuple[optax.Updates, AccumulateState]:
   # 1. The arguments, checked; the engine for this trace.
-  _checks.state(state, config.track_noise_scale)
-  _checks.trees(updates, params, state.acc_buffer)
+  values = _checks.state(state, config.track_noise_scale)  # by name
+  _checks.trees(updates, params, values.acc_buffer)
   if config.axis_name is None:
     _checks.not_unreduced(updates)
     engine = LOCAL
   else:
-    engine = _engine_for_update(config.axis_name, updates, state.acc_buffer)
+    engine = _engine_for_update(config.axis_name, updates, values.acc_buffer)
   call = _checks.update_call(
     weight=weight,
     flush=flush,
@@ -505,27 +505,15 @@ def _update(
     axis_name=config.axis_name,
     measures_noise=engine.measures_noise,
   )
-  values = _state_lib.unpack(state)  # the state's values, by name
   inner = config.inner(values.every_k)
-  if (
-    config.every_k.fixed == 1
-    and call.emit is None
-    and call.weight is None
-    and not call.may_flush
-    and not config.skip_nonfinite
-    and config.axis_name is None
-    and _fits(updates, state.acc_buffer)
-  ):  # k = 1 without weights, flush, skips, axis, `emit` or a narrower
-    # accumulator (whose rounding every other path applies): `inner` alone.
+  # Two calls that are not this story: every call a cycle of its own
+  # (`inner` alone, bit for bit), and an eager call on unreduced arrays (the
+  # same story, jitted).
+  if _is_inner_alone(config, call, updates, values.acc_buffer):
     return _inner_alone(inner, updates, state, params, extra_args)
   if not (engine.runs_eagerly or _checks.is_traced(updates)):
-    # The caller's options as given: a flush=False passed on would be
-    # traced, and read as a flush beside `emit`.
-    options = dict(weight=weight, emit=emit, noise_stats=noise_stats)
-    if call.may_flush:
-      options["flush"] = flush
     return _jitted_update(config)(
-      updates, state, params, **options, **extra_args
+      updates, state, params, **call.as_given, **extra_args
     )
 
   # 2. Add the micro-batch into the cycle.
@@ -546,6 +534,24 @@ def _update(
   return result.updates, _next_state(config, values, accepted, cycle, result)
 
 
+def _is_inner_alone(
+  config: Config, call: _checks.Call, updates: Any, acc: Any
+) -> bool:
+  """Whether every call is a cycle of its own that `inner` alone computes
+  bit for bit: k = 1 without weights, flush, skips, axis, `emit`, or an
+  accumulator narrower than the gradients (whose rounding every other path
+  applies)."""
+  return (
+    config.every_k.fixed == 1
+    and call.emit is None
+    and call.weight is None
+    and not call.may_flush
+    and not config.skip_nonfinite
+    and config.axis_name is None
+    and _fits(updates, acc)
+  )
+
+
 def _fits(values: Any, acc: Any) -> bool:
   """Whether each accumulator leaf holds the values of the leaf of `values`
   (arrays, scalars or their types) beside it exactly: a float32
@@ -557,10 +563,12 @@ def _fits(values: Any, acc: Any) -> bool:
 
 
 def _inner_alone(inner, grads, state, params, extra_args):
-  """Bit for bit `inner`, with the counters of an updating call."""
+  """Bit for bit `inner`, with the counters of an updating call (which
+  :func:`optax_accum.apply_updates` applies as it is: every call emits)."""
   updates, inner_state = inner.update(
     grads, state.inner_state, params, **extra_args
   )
+  _apply.remember(updates, True, params)
   return updates, state.replace(
     step=optax.safe_increment(state.step),
     weight_seen=_state_lib.add_weight_seen(
@@ -675,8 +683,9 @@ def _cycle_start(
 
   def not_read(micro_step, acc, acc_weight):
     fresh = micro_step == 0
-    acc = jax.tree.map(lambda a: engine.select(fresh, engine.zero(a), a), acc)
-    return acc, jnp.where(fresh, 0.0, acc_weight)
+    return _control.cleared(fresh, acc, engine), jnp.where(
+      fresh, 0.0, acc_weight
+    )
 
   def thrown_away(micro_step, acc, acc_weight):
     leftovers = (micro_step == 0) & (acc_weight != 0)
@@ -777,8 +786,8 @@ def _decide_on_device(
 
   Where the updates are narrower than the accumulator (bf16 params, a
   float32 accumulator) and the params are given, a program for GPU/TPU
-  applies them in the emitting branch (:func:`_apply_inside`) instead of
-  passing them through the accumulator's buffer, which costs the emitting
+  applies them in the updating branch (:func:`_apply_inside`) instead of
+  passing them through the accumulator's buffer, which costs the updating
   step a float32 write and read of every update there. Everything else is
   :func:`_decide`, which CPU programs keep for narrow updates too.
   """
@@ -854,10 +863,7 @@ def _decide(
       cycle_weight=mean.weight,
     )
 
-  def hold(cycle: Cycle, mean_sq: Any) -> Branch:
-    del mean_sq
-    return _holding(inner, cycle, shares=shares)
-
+  hold = functools.partial(_holding, inner, shares=shares)
   branch = _control.cond(enter, update, hold, cycle, mean_sq)
   if shares:
     return _close(engine, inner, cycle, branch)
@@ -874,9 +880,13 @@ def _decide(
   )
 
 
-def _holding(inner: Inner, cycle: Cycle, *, shares: bool) -> Branch:
+def _holding(
+  inner: Inner, cycle: Cycle, mean_sq: Any = None, *, shares: bool
+) -> Branch:
   """The branch that holds: everything passed through, no updates (the
-  accumulator's own buffer where they share it, else traced zeros)."""
+  accumulator's own buffer where they share it, else traced zeros).
+  (`mean_sq`: the operand :func:`_decide`'s branches share, unread.)"""
+  del mean_sq
   return Branch(
     out=cycle.acc if shares else _no_updates(inner, cycle.ends),
     acc=None if shares else cycle.acc,
@@ -903,7 +913,7 @@ def _apply_inside(
   """GPU/TPU, narrow updates, params given: one switch. Branch 0 holds
   (passes everything through); branch 1 ends a weighted cycle: the inner
   optimizer on the mean, the params updated and the accumulator zeroed in
-  its kernels, as the static emitting step does; branch 2 ends a
+  its kernels, as the ``emit=True`` step does; branch 2 ends a
   weightless one (the accumulator zeroed, nothing applied). The updates
   get buffers of their own, which XLA drops when the caller applies them
   with :func:`optax_accum.apply_updates` (with ``optax.apply_updates`` a
@@ -965,11 +975,11 @@ def _end_cycle_now(
   On one device with the params given, the params are updated here too
   (what :func:`optax_accum.apply_updates` returns), and a program compiled
   for CPU runs the inner optimizer in a conditional of its own that applies
-  them in place (:func:`_inner_where_weighted`) and leaves the accumulator
+  them in place (:func:`_run_if_weighted`) and leaves the accumulator
   as leftovers: the cycle's sum beside its weight (-inf for a weightless
   cycle's), which the next call does not read (:func:`_cycle_start`).
   XLA:CPU fuses neither the zeroing pass nor the applying pass into the
-  optimizer's kernels at the top level of a program: the emitting step was
+  optimizer's kernels at the top level of a program: the ``emit=True`` step was
   1.7x the traced one's at 64 MB (``benchmarks/bench_loop.py``).
   """
   mean_sq = None
@@ -1002,12 +1012,12 @@ def _end_cycle_now(
     return ended(ran, acc, jnp.zeros_like(cycle.weight))
 
   def leftovers(cycle: Cycle) -> Result:
-    ran = _inner_where_weighted(config, inner, mean.operands, apply=True)
+    ran = _run_if_weighted(config, inner, mean.operands, apply=True)
     weight = jnp.where(cycle.weight == 0, -jnp.inf, cycle.weight)
     return ended(ran, cycle.acc, weight)
 
   def zeros(cycle: Cycle) -> Result:
-    ran = _inner_where_weighted(config, inner, mean.operands, apply=False)
+    ran = _run_then_select(config, inner, mean.operands, apply=False)
     ran = ran._replace(params=optax.apply_updates(cycle.params, ran.updates))
     acc = _control.cleared(always, cycle.acc, engine)
     return ended(ran, acc, jnp.zeros_like(cycle.weight))
@@ -1195,15 +1205,15 @@ def _run_inner(
   """`inner` on the cycle's mean gradient, computed here so that it fuses
   into the inner's kernels; with `apply`, the params updated too."""
 
-  def mean_leaf(a, g):  # in the gradient's own dtype
-    a = a.astype(compute_dtype(a.dtype))
-    if config.reduction == "mean":
-      a = _control.times_inverse(a, operands.inv_weight)
-    return a.astype(g.dtype)
-
-  # `grad_types` holds shapes only: closing over the gradient arrays would
-  # make them operands of the conditional and materialise them.
-  grad = jax.tree.map(mean_leaf, operands.total, inner.grad_types)
+  # The sum in its compute dtype, times 1/W, in the gradient's own dtype.
+  # (`grad_types` holds shapes only: closing over the gradient arrays would
+  # make them operands of the conditional and materialise them.)
+  grad = jax.tree.map(
+    lambda a: a.astype(compute_dtype(a.dtype)), operands.total
+  )
+  if config.reduction == "mean":
+    grad = _control.times_inverse(grad, operands.inv_weight)
+  grad = jax.tree.map(lambda a, g: a.astype(g.dtype), grad, inner.grad_types)
   params = operands.params
   updates, state = inner.tx.update(
     grad, operands.state, params, **inner.extra_args
@@ -1230,21 +1240,14 @@ def _run_then_select(
   return Ran(updates, state, select(weighted, applied, params))
 
 
-def _inner_where_weighted(
+def _run_if_weighted(
   config: Config, inner: Inner, operands: InnerOperands, *, apply: bool
 ) -> Ran:
-  """The inner optimizer, in a conditional branch that ends every cycle
-  (weightless ones too): its result where the total weight is positive (or
-  NaN), else zero updates and the state and params as they were.
-
-  * GPU/TPU: :func:`_run_then_select` (a conditional of its own there costs
-    the 8-H100 ``shard_map`` step a quarter of the accumulator more memory,
-    ``tests/test_accelerators.py``);
-  * CPU (:func:`_control.run_if_weighted`): a conditional of its own, whose
-    holding branch passes the state through. XLA:CPU does not update the
-    state in place under the selects, and copies every inner-state leaf
-    twice per micro-step.
-  """
+  """The CPU form of :func:`_inner_where_weighted`: `inner` in a
+  conditional of its own (:func:`_control.run_if_weighted`), whose holding
+  branch passes the state through (zero updates, the state and params as
+  they were). XLA:CPU does not update the state in place under selects,
+  and copies every inner-state leaf twice per micro-step."""
 
   def run(operands: InnerOperands) -> Ran:
     return _run_inner(config, inner, operands, apply=apply)
@@ -1254,13 +1257,24 @@ def _inner_where_weighted(
     state = _settle(operands.state, inner.state_types)
     return Ran(updates, state, operands.params if apply else None)
 
-  def on_cpu(operands: InnerOperands) -> Ran:
-    return _control.run_if_weighted(operands.weighted, run, skip, operands)
+  return _control.run_if_weighted(operands.weighted, run, skip, operands)
 
-  def on_accelerator(operands: InnerOperands) -> Ran:
-    return _run_then_select(config, inner, operands, apply=apply)
 
-  return _per_backend(operands, cpu=on_cpu, accelerator=on_accelerator)
+def _inner_where_weighted(
+  config: Config, inner: Inner, operands: InnerOperands, *, apply: bool
+) -> Ran:
+  """The inner optimizer, in a conditional branch that ends every cycle
+  (weightless ones too): its result where the total weight is positive (or
+  NaN), else zero updates and the state and params as they were. On CPU
+  :func:`_run_if_weighted`; on GPU/TPU :func:`_run_then_select` (a
+  conditional of its own there costs the 8-H100 ``shard_map`` step a
+  quarter of the accumulator more memory, ``tests/test_accelerators.py``).
+  A caller already in one backend's form calls that form itself."""
+  return _per_backend(
+    operands,
+    cpu=functools.partial(_run_if_weighted, config, inner, apply=apply),
+    accelerator=functools.partial(_run_then_select, config, inner, apply=apply),
+  )
 
 
 def _settle(inner_state: Any, types: Any) -> Any:

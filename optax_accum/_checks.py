@@ -21,6 +21,7 @@ from optax_accum._noise_scale import NoiseStats
 from optax_accum._state import (
   AccumulateState,
   NoiseScaleState,
+  Values,
   find_state,
   unpack,
 )
@@ -228,6 +229,10 @@ class Call(NamedTuple):
   may_flush: bool  # `flush` was not a Python False (that needs no agreeing)
   emit: bool | None  # the caller's static decision, if any
   noise_stats: NoiseStats | None
+  # The options as the caller gave them, to pass on (a jitted re-entry):
+  # `flush` only if given, since a flush=False passed on would be traced,
+  # and read as a flush beside `emit`.
+  as_given: dict
 
 
 def update_call(
@@ -250,6 +255,9 @@ def update_call(
   Called before any ``jit`` of the update, so that concrete values are
   seen.
   """
+  as_given = dict(weight=weight, emit=emit, noise_stats=noise_stats)
+  if flush is not False:
+    as_given["flush"] = flush
   # weight: a float32[]. A concrete negative weight raises, and so does a
   # concrete NaN or Inf unless `skip_nonfinite` (which drops that
   # micro-batch); a traced one is used as given.
@@ -346,6 +354,7 @@ def update_call(
     may_flush=flush is not False,
     emit=emit,
     noise_stats=noise_stats,
+    as_given=as_given,
   )
 
 
@@ -374,8 +383,9 @@ def dropin_options(opt_state: Any, reader: str, **options: Any) -> dict:
   return given
 
 
-def state(value: Any, track_noise_scale: bool) -> None:
-  """Raises unless `value` is an ``AccumulateState`` of this configuration."""
+def state(value: Any, track_noise_scale: bool) -> Values:
+  """`value`'s values by name (:func:`unpack`); raises unless `value` is an
+  ``AccumulateState`` of this configuration."""
   if not isinstance(value, AccumulateState):
     raise TypeError(
       "`state` must be the AccumulateState returned by this"
@@ -390,6 +400,7 @@ def state(value: Any, track_noise_scale: bool) -> None:
       f" track_noise_scale={tracked}, but this one has"
       f" track_noise_scale={track_noise_scale}."
     )
+  return values
 
 
 def not_a_foreign_restore(value: Any) -> None:

@@ -246,14 +246,15 @@ def distinct_zeros(types: Sequence[Any], flag: jax.Array, zeros: Callable):
   ]
 
 
-def times_inverse(x: jax.Array, inverse: jax.Array) -> jax.Array:
-  """``x * inverse`` for a mean ``x / total``: a multiply, not a divide.
+def times_inverse(tree: Any, inverse: jax.Array) -> Any:
+  """``x * inverse`` for each leaf ``x`` of `tree`, for a mean ``x /
+  total``: a multiply, not a divide.
 
   XLA duplicates a cheap elementwise op into every consumer fusion of the
   inner optimizer, but materialises a divide into a parameter-sized buffer
   first.
   """
-  return x * inverse.astype(x.dtype)
+  return jax.tree.map(lambda x: x * inverse.astype(x.dtype), tree)
 
 
 def psum_with_scalars(

@@ -8,6 +8,7 @@ readers) accept any optimizer state that holds exactly one
 """
 
 import functools
+import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -146,15 +147,16 @@ class AccumulateState(NamedTuple):
   acc_scalars: jax.Array  # float32[1 | 3]
   inner_state: optax.OptState
 
-  @property
-  def acc_buffer(self) -> optax.Updates:
-    """The accumulator's buffer, as stored (the ``acc_grads`` field's place
-    in the tuple). While a cycle is open it is :attr:`acc_grads`; where
-    none is, it holds zeros, or what the last cycle left there (a program
-    compiled for CPU leaves the cycle's updates rather than spend a pass
-    over the accumulator on zeros; the stored weight beside them, not 0,
-    marks them), which no call reads. Write it with :meth:`replace`."""
-    return tuple.__getitem__(self, 1)
+  # The field's own slot, whatever `acc_grads` reads (below the class).
+  acc_buffer = property(
+    operator.itemgetter(1),
+    doc="""The accumulator's buffer, as stored (the ``acc_grads`` field's
+    place in the tuple). While a cycle is open it is :attr:`acc_grads`;
+    where none is, it holds zeros, or what the last cycle left there (a
+    program compiled for CPU leaves the cycle's updates rather than spend a
+    pass over the accumulator on zeros; the stored weight beside them, not
+    0, marks them), which no call reads. Write it with :meth:`replace`.""",
+  )
 
   @property
   def micro_step(self) -> jax.Array:

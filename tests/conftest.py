@@ -90,6 +90,17 @@ def pytest_sessionfinish(session):
     f.write(json.dumps(record) + "\n")
 
 
+@pytest.fixture(autouse=True)
+def _apply_updates_warns_in_every_test(monkeypatch):
+  """apply_updates warns once per misuse and process (its slow route,
+  optax_accum/_apply.py); each test starts with none said, so that a test
+  that takes the slow route without expecting it fails (warnings are
+  errors here) whatever ran before it on its worker."""
+  from optax_accum import _apply  # noqa: PLC0415
+
+  monkeypatch.setattr(_apply, "_WARNED", set())
+
+
 @pytest.fixture(params=list(MODES), ids=list(MODES))
 def maybe_jit(request):
   """Every behaviour runs eagerly and under jit."""

@@ -27,11 +27,7 @@ FOREIGN = "transformed after it"
 NO_PARAMS = "was given no params"
 OTHER_PARAMS = "not the ones given to the update"
 
-
-@pytest.fixture(autouse=True)
-def _fresh_warnings(monkeypatch):
-  """Each test sees the once-per-process warnings anew."""
-  monkeypatch.setattr(_apply, "_WARNED", set())
+# (tests/conftest.py clears the once-per-process warnings before each test.)
 
 
 def _run(tx, apply, calls=7, jit=True, pass_params=True, **options):

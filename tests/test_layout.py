@@ -262,8 +262,7 @@ def test_the_named_values_check_sees_a_plant(tmp_path):
   3-tuple is reported twice."""
   plant = tmp_path / "plant.py"
   plant.write_text(
-    "def f(a, b, c, d, e, g):\n  return a, b, c\n"
-    "h = lambda a, b: (a, b, a)\n"
+    "def f(a, b, c, d, e, g):\n  return a, b, c\nh = lambda a, b: (a, b, a)\n"
   )
   assert len(_unnamed_values(plant)) == 3, _unnamed_values(plant)
 
@@ -279,7 +278,9 @@ def test_no_two_modules_import_each_other():
       continue
     imports.setdefault(top, set()).update(_imported(path) - {top})
   circles = sorted(
-    f"{a} <-> {b}" for a in imports for b in imports[a]
+    f"{a} <-> {b}"
+    for a in imports
+    for b in imports[a]
     if a < b and a in imports.get(b, ())
   )
   assert not circles, circles
