@@ -151,7 +151,7 @@ class AccumulateState(NamedTuple):
   acc_buffer = property(
     operator.itemgetter(1),
     doc="""The accumulator's buffer, as stored (the ``acc_grads`` field's
-    place in the tuple). While a cycle is open it is :attr:`acc_grads`;
+    place in the tuple). While a cycle is open it is ``acc_grads``;
     where none is, it holds zeros, or what the last cycle left there (a
     program compiled for CPU leaves the cycle's updates rather than spend a
     pass over the accumulator on zeros; the stored weight beside them, not
