@@ -8,6 +8,7 @@ to a module they should not import.
 import importlib
 import inspect
 import pickle
+import pydoc
 
 import jax.numpy as jnp
 import optax
@@ -54,3 +55,28 @@ def test_state_pickles_under_its_public_name():
   again = pickle.loads(data)
   assert type(again) is optax_accum.AccumulateState
   assert type(again.noise) is optax_accum.types.NoiseScaleState
+
+
+def test_update_documents_itself():
+  """``help(tx.update)`` is the update's own documentation (issue 53): its
+  keyword arguments by name, what each does, and public types only."""
+  tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
+  signature = inspect.signature(tx.update)
+  assert list(signature.parameters) == [
+    "updates",
+    "state",
+    "params",
+    "weight",
+    "flush",
+    "emit",
+    "noise_stats",
+    "extra_args",
+  ]
+  assert "optax_accum._" not in str(signature)
+  assert "optax._src" not in str(signature)
+  doc = inspect.getdoc(tx.update)
+  for name in ("weight:", "flush:", "emit:", "noise_stats:", "params:"):
+    assert name in doc, name
+  pydoc_text = pydoc.render_doc(tx.update)
+  assert "functools.partial" not in pydoc_text
+  assert "emit:" in pydoc_text
