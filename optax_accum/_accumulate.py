@@ -867,6 +867,12 @@ def _decide(
   branch = _control.cond(enter, update, hold, cycle, mean_sq)
   if shares:
     return _close(engine, inner, cycle, branch)
+  return _applied_in_branch(cycle, branch)
+
+
+def _applied_in_branch(cycle: Cycle, branch: Branch) -> Result:
+  """The call's result where the updating branch applied the updates and
+  zeroed the accumulator itself (the updates in buffers of their own)."""
   return Result(
     updates=branch.out,
     updated=branch.updated,
@@ -946,21 +952,9 @@ def _apply_inside(
       out=_no_updates(inner, ~cycle.ends), acc=acc
     )
 
-  def hold(cycle: Cycle) -> Branch:
-    return _holding(inner, cycle, shares=False)
-
+  hold = functools.partial(_holding, inner, shares=False)
   branch = _control.switch(index, (hold, update, weightless), cycle)
-  return Result(
-    updates=branch.out,
-    updated=branch.updated,
-    new_params=branch.params,
-    acc=branch.acc,
-    acc_weight=jnp.where(cycle.ends, 0.0, cycle.weight),
-    noise=branch.noise,
-    inner_state=branch.inner_state,
-    cycle_ends=cycle.ends,
-    cycle_weight=branch.cycle_weight,
-  )
+  return _applied_in_branch(cycle, branch)
 
 
 def _end_cycle_now(
