@@ -468,3 +468,29 @@ def test_acc_grads_reads_the_cycle_wherever_it_is_read(monkeypatch):
     optimizer.update(model, grads)
   assert float(jnp.asarray(optimizer.opt_state.acc_scalars)[0]) == 2.0
   _assert_fresh(optimizer.opt_state, stored=False)
+
+
+def test_to_multisteps_of_a_cycle_thrown_away_holds_no_sum(monkeypatch):
+  """A CPU state resumed by the GPU/TPU form: its first cycle adds the
+  leftovers and is marked (stored weight -inf) to end without an update.
+  Converted mid-way to optax.MultiSteps, it holds no sum: the leftovers
+  are not passed off as gradients."""
+  params = _common.params()
+
+  def tx():  # a transformation per form: each traces anew
+    return optax_accum.accumulate(optax.sgd(1.0), 3)
+
+  _pin(monkeypatch, "cpu")
+  update = jax.jit(tx().update)
+  state = tx().init(params)
+  for i in range(3):
+    _, state = update(_common.grads(i), state, params)
+  assert _stored_weight(state) == 3.0  # leftovers beside micro_step 0
+  _pin(monkeypatch, "accelerator")
+  _, state = jax.jit(tx().update)(_common.grads(3), state, params)
+  assert int(state.micro_step) == 1 and _stored_weight(state) == -jnp.inf
+  for mean in (True, False):  # MultiSteps' mean, or its sum
+    ms = optax_accum.multisteps.to_multisteps(state, use_grad_mean=mean)
+    chex.assert_trees_all_equal(
+      ms.acc_grads, jax.tree.map(jnp.zeros_like, ms.acc_grads)
+    )

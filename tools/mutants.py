@@ -179,7 +179,12 @@ MUTANTS = [
     "multisteps.py",
     "acc = jax.tree.map(lambda a: jnp.where(empty, jnp.zeros([], a.dtype), a), acc)",
     "pass",
-    [MULTI[1], "-k", "continues_under_multisteps and end"],
+    [
+      MULTI[1],
+      FORMS,
+      "-k",
+      "continues_under_multisteps and end or to_multisteps",
+    ],
     "converted at a CPU cycle's end: MultiSteps adds the last update again",
   ),
 ]
@@ -238,8 +243,8 @@ MUTANTS += [
   _m(
     "inner sees the accumulator's dtype",
     "_accumulate.py",
-    "    return a.astype(g.dtype)\n",
-    "    return a\n",
+    "lambda a, g: a.astype(g.dtype), grad,",
+    "lambda a, g: a, grad,",
     [ACC, "-k", "dtypes_match or inner_state_takes"],
     "bf16 gradients: inner gets float32 ones (other updates and state)",
   ),
@@ -403,8 +408,8 @@ MUTANTS += [
   _m(
     "leftovers read on CPU",
     "_accumulate.py",
-    "acc = jax.tree.map(lambda a: engine.select(fresh, engine.zero(a), a), acc)",
-    "pass",
+    "return _control.cleared(fresh, acc, engine), jnp.where(",
+    "return acc, jnp.where(",
     [FORMS, "-k", "never_read and cpu"],
     "a CPU cycle's leftover update joins the next one",
   ),
@@ -650,26 +655,24 @@ MUTANTS += [
   # Found by an audit of every keyword (issue 55, item 4: the families).
   _m(
     "an eager update of unreduced gradients passes flush=False on",
-    "_accumulate.py",
-    "    options = dict(weight=weight, emit=emit, noise_stats=noise_stats)\n"
-    "    if call.may_flush:\n",
-    "    options = dict(weight=weight, emit=emit, noise_stats=noise_stats)\n"
-    "    if True:\n",
+    "_checks.py",
+    '  if flush is not False:\n    as_given["flush"] = flush\n',
+    '  as_given["flush"] = flush\n',
     ["tests/test_jit_unreduced.py", "-k", "eager_update_takes"],
     "emit= raises there, naming a flush the caller never passed",
   ),
   _m(
     "an eager update of unreduced gradients drops inner's arguments",
     "_accumulate.py",
-    "      updates, state, params, **options, **extra_args",
-    "      updates, state, params, **options",
+    "      updates, state, params, **call.as_given, **extra_args",
+    "      updates, state, params, **call.as_given",
     ["tests/test_jit_unreduced.py", "-k", "eager_update_takes"],
     "value=10 reaches inner under jit, not in an eager call",
   ),
   _m(
     "k=1 runs inner alone past a narrow accumulator",
     "_accumulate.py",
-    "    and _fits(updates, state.acc_grads)\n",
+    "    and _fits(updates, acc)\n",
     "",
     ["tests/test_dtypes.py", "-k", "every_k_1"],
     "bf16 accumulator at k=1: rounded with weight=, not without",
