@@ -76,6 +76,10 @@ from optax_accum._state import AccumulateState, NoiseScaleState
 EveryK = int | Callable[..., Any] | _every_k.GrowEveryK
 # What `reduction=` and `gradients=` take (checked at construction too).
 MeanOrSum = Literal["mean", "sum"]
+# The noise-scale sums, or optax.EmptyState() when not tracked.
+Noise = NoiseScaleState | optax.EmptyState
+# A tree of types (jax.ShapeDtypeStruct leaves, from jax.eval_shape).
+Types = Any
 
 # ----------------------------------------------------------------------------
 # The configuration and the transformation.
@@ -106,13 +110,13 @@ def accumulate(
   every_k: EveryK,
   *,
   reduction: MeanOrSum = "mean",
-  accumulator_dtype: Any = jnp.float32,
+  accumulator_dtype: jax.typing.DTypeLike | None = jnp.float32,
   skip_nonfinite: bool = False,
   axis_name: Hashable | None = None,
   track_noise_scale: bool = False,
   noise_scale_decay: float = _noise_scale.DEFAULT_DECAY,
   gradients: MeanOrSum = "mean",
-  reduce_dtype: Any = None,
+  reduce_dtype: jax.typing.DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates gradients over ``every_k`` micro-batches, then runs ``inner``.
 
@@ -320,7 +324,9 @@ def accumulate(
   )
 
 
-def _inner_for(inner: Any) -> Callable[[jax.Array], Any]:
+def _inner_for(
+  inner: optax.GradientTransformation,
+) -> Callable[[jax.Array], Any]:
   """`k -> inner transformation`; checks a fixed inner at once."""
   if isinstance(inner, _every_k.InnerForEveryK):
     return lambda k: _checks.transformation(inner.factory(k))
@@ -345,7 +351,7 @@ def config_of(tx: Any, reader: str) -> Config:
   )
 
 
-def _engine_for_init(axis_name: Hashable | None, params: Any) -> Local:
+def _engine_for_init(axis_name: Hashable | None, params: optax.Params) -> Local:
   if axis_name is None:
     return LOCAL
   from optax_accum import _engines  # noqa: PLC0415  (axis_name only)
@@ -353,7 +359,9 @@ def _engine_for_init(axis_name: Hashable | None, params: Any) -> Local:
   return _engines.for_init(axis_name, params)
 
 
-def _engine_for_update(axis_name: Hashable, grads: Any, acc: Any) -> Local:
+def _engine_for_update(
+  axis_name: Hashable, grads: optax.Updates, acc: optax.Updates
+) -> Local:
   from optax_accum import _engines  # noqa: PLC0415  (axis_name only)
 
   return _engines.for_update(axis_name, grads, acc)
@@ -438,13 +446,13 @@ def _init(config: Config, params: optax.Params) -> AccumulateState:
 class Cycle(NamedTuple):
   """The cycle after this call's micro-batch was added: what ends read."""
 
-  acc: Any  # the (device-local) sum
+  acc: optax.Updates  # the (device-local) sum
   weight: jax.Array  # float32[]: its (device-local) total weight
   micro_step: jax.Array  # int32[]: micro-batches accepted in it
   ends: jax.Array  # bool[]: this call ends the cycle
-  noise: Any  # NoiseScaleState, or optax.EmptyState() when not tracked
-  inner_state: Any
-  params: Any  # as given to update, or None
+  noise: Noise  # NoiseScaleState, or optax.EmptyState() when not tracked
+  inner_state: optax.OptState
+  params: optax.Params | None  # as given to update, or None
 
 
 class Inner(NamedTuple):
@@ -454,22 +462,22 @@ class Inner(NamedTuple):
 
   tx: optax.GradientTransformationExtraArgs
   extra_args: dict
-  grad_types: Any  # the mean gradient it is handed
-  update_types: Any  # its updates
-  state_types: Any  # its new state
+  grad_types: Types  # the mean gradient it is handed
+  update_types: Types  # its updates
+  state_types: Types  # its new state
   reduced_specs: Any  # the reduced sum's layout (Unreduced), or None
 
 
 class Result(NamedTuple):
   """How a call ends: what it returns and what the next state holds."""
 
-  updates: Any  # exact zeros unless `updated`
+  updates: optax.Updates  # exact zeros unless `updated`
   updated: jax.Array  # bool[]: inner ran on a cycle of positive weight
-  new_params: Any  # the params with `updates` applied, or None
-  acc: Any
+  new_params: optax.Params | None  # the params with `updates` applied, or None
+  acc: optax.Updates
   acc_weight: jax.Array
-  noise: Any
-  inner_state: Any
+  noise: Noise
+  inner_state: optax.OptState
   cycle_ends: jax.Array  # bool[]
   cycle_weight: jax.Array  # the ended cycle's global weight, else 0
 
@@ -480,8 +488,8 @@ def _update(
   state: AccumulateState,
   params: optax.Params | None = None,
   *,
-  weight: Any = None,
-  flush: Any = False,
+  weight: jax.typing.ArrayLike | None = None,
+  flush: bool | jax.Array = False,
   emit: bool | None = None,
   noise_stats: NoiseStats | None = None,
   **extra_args: Any,
@@ -535,7 +543,7 @@ def _update(
 
 
 def _is_inner_alone(
-  config: Config, call: _checks.Call, updates: Any, acc: Any
+  config: Config, call: _checks.Call, updates: optax.Updates, acc: optax.Updates
 ) -> bool:
   """Whether every call is a cycle of its own that `inner` alone computes
   bit for bit: k = 1 without weights, flush, skips, axis, `emit`, or an
@@ -552,7 +560,7 @@ def _is_inner_alone(
   )
 
 
-def _fits(values: Any, acc: Any) -> bool:
+def _fits(values: optax.Updates, acc: optax.Updates) -> bool:
   """Whether each accumulator leaf holds the values of the leaf of `values`
   (arrays, scalars or their types) beside it exactly: a float32
   accumulator for bfloat16 or float32 gradients."""
@@ -594,10 +602,10 @@ def _add(
   config: Config,
   engine: Local,
   state: _state_lib.Values,
-  grads: Any,
+  grads: optax.Updates,
   call: _checks.Call,
   *,
-  params: Any,
+  params: optax.Params | None,
 ) -> tuple[Cycle, jax.Array]:
   """The cycle with this micro-batch added, and whether it was accepted
   (not dropped by `skip_nonfinite`), agreed over the devices."""
@@ -661,8 +669,11 @@ def _add(
 
 
 def _cycle_start(
-  engine: Local, micro_step: jax.Array, acc: Any, acc_weight: jax.Array
-) -> tuple[Any, jax.Array]:
+  engine: Local,
+  micro_step: jax.Array,
+  acc: optax.Updates,
+  acc_weight: jax.Array,
+) -> tuple[optax.Updates, jax.Array]:
   """The accumulator this call adds into and the cycle's weight so far:
   `acc` and `acc_weight`, with leftovers of the last cycle not read (at
   micro_step 0 a non-zero weight marks them: a state left by a CPU program,
@@ -700,12 +711,12 @@ def _add_noise(
   config: Config,
   engine: Local,
   state: _state_lib.Values,
-  grads: Any,
+  grads: optax.Updates,
   *,
   weight: jax.Array,
   accepted: jax.Array,
   call: _checks.Call,
-) -> Any:
+) -> Noise:
   """The noise-scale sums with this micro-batch: measured here, or by the
   gradient helper (`noise_stats`, Unreduced)."""
   fresh = state.micro_step == 0
@@ -728,7 +739,7 @@ def _inner_types(
   engine: Local,
   tx: optax.GradientTransformationExtraArgs,
   extra_args: dict,
-  grads: Any,
+  grads: optax.Updates,
   cycle: Cycle,
 ) -> Inner:
   """The inner optimizer of this trace, and the types it takes and
@@ -768,12 +779,18 @@ class Branch(NamedTuple):
   """What each branch of a closing conditional returns (the same fields in
   every branch, so that the conditional's outputs have names)."""
 
-  out: Any  # the updates; where they share the accumulator's buffer, it
-  acc: Any  # the accumulator, or None where `out` is its buffer
-  params: Any  # the params (updated where the branch applied), or None
+  out: (
+    optax.Updates
+  )  # the updates; where they share the accumulator's buffer, it
+  acc: (
+    optax.Updates | None
+  )  # the accumulator, or None where `out` is its buffer
+  params: (
+    optax.Params | None
+  )  # the params (updated where the branch applied), or None
   weight: jax.Array  # float32[]: the cycle's global total weight
-  noise: Any
-  inner_state: Any
+  noise: Noise
+  inner_state: optax.OptState
   updated: jax.Array  # bool[]: inner ran on a cycle of positive weight
   cycle_weight: jax.Array  # the ended cycle's global weight, else 0
 
@@ -840,7 +857,7 @@ def _decide(
       enter, _mean_sq_norm, jnp.zeros([], jnp.float32), cycle.acc, cycle.weight
     )
 
-  def update(cycle: Cycle, mean_sq: Any) -> Branch:
+  def update(cycle: Cycle, mean_sq: jax.Array | None) -> Branch:
     mean = _cycle_mean(config, engine, inner, cycle, mean_sq, per_leaf=False)
     run = _run_inner if checked else _inner_where_weighted
     ran = run(config, inner, mean.operands, apply=not shares)
@@ -887,7 +904,7 @@ def _applied_in_branch(cycle: Cycle, branch: Branch) -> Result:
 
 
 def _holding(
-  inner: Inner, cycle: Cycle, mean_sq: Any = None, *, shares: bool
+  inner: Inner, cycle: Cycle, mean_sq: jax.Array | None = None, *, shares: bool
 ) -> Branch:
   """The branch that holds: everything passed through, no updates (the
   accumulator's own buffer where they share it, else traced zeros).
@@ -905,7 +922,7 @@ def _holding(
   )
 
 
-def _no_updates(inner: Inner, flag: jax.Array) -> Any:
+def _no_updates(inner: Inner, flag: jax.Array) -> optax.Updates:
   """Zero updates, a traced value per leaf from a `flag` that is false where
   this runs (:func:`_control.distinct_zeros`)."""
   leaves, treedef = jax.tree.flatten(inner.update_types)
@@ -982,7 +999,7 @@ def _end_cycle_now(
   mean = _cycle_mean(config, engine, inner, cycle, mean_sq, per_leaf=True)
   always = _control.traced_true(cycle.micro_step)
 
-  def ended(ran: Ran, acc: Any, acc_weight: jax.Array) -> Result:
+  def ended(ran: Ran, acc: optax.Updates, acc_weight: jax.Array) -> Result:
     return Result(
       updates=ran.updates,
       updated=mean.operands.weighted,
@@ -1036,7 +1053,7 @@ def _keep_cycle_open(inner: Inner, cycle: Cycle) -> Result:
   )
 
 
-def _shares_buffer(engine: Local, inner: Inner, acc: Any) -> bool:
+def _shares_buffer(engine: Local, inner: Inner, acc: optax.Updates) -> bool:
   """Whether the updates can be written into the accumulator's buffer:
   the same tree and shapes, dtypes the accumulator holds exactly, and (with
   ``axis_name``) an engine whose accumulator has the updates' type."""
@@ -1054,7 +1071,9 @@ def _shares_buffer(engine: Local, inner: Inner, acc: Any) -> bool:
   return fits and (engine.axis_name is None or engine.shares_buffer(acc))
 
 
-def _holds_exactly(wide: Any, narrow: Any) -> bool:
+def _holds_exactly(
+  wide: jax.typing.DTypeLike, narrow: jax.typing.DTypeLike
+) -> bool:
   """Whether every value of dtype `narrow` survives a trip through `wide`."""
   wide, narrow = jnp.dtype(wide), jnp.dtype(narrow)
   if wide == narrow:
@@ -1079,10 +1098,10 @@ class InnerOperands(NamedTuple):
   the conditional that runs it where it has one of its own)."""
 
   weighted: jax.Array  # bool[]: the total weight is positive, or NaN
-  total: Any  # the cycle's (reduced) sum
+  total: optax.Updates  # the cycle's (reduced) sum
   inv_weight: jax.Array  # 1 / its total weight (:func:`_inverse_weight`)
-  state: Any  # the inner optimizer's state
-  params: Any  # as given to update, or None
+  state: optax.OptState  # the inner optimizer's state
+  params: optax.Params | None  # as given to update, or None
 
 
 class Mean(NamedTuple):
@@ -1090,15 +1109,17 @@ class Mean(NamedTuple):
 
   operands: InnerOperands
   weight: jax.Array  # float32[]: the cycle's global total weight
-  noise: Any  # the noise-scale state with the cycle folded in
+  noise: Noise  # the noise-scale state with the cycle folded in
 
 
 class Ran(NamedTuple):
   """The inner optimizer's result on a cycle's mean."""
 
-  updates: Any
-  inner_state: Any
-  params: Any  # with the updates applied where asked (`apply`), else None
+  updates: optax.Updates
+  inner_state: optax.OptState
+  params: (
+    optax.Params | None
+  )  # with the updates applied where asked (`apply`), else None
 
 
 def _cycle_mean(
@@ -1106,7 +1127,7 @@ def _cycle_mean(
   engine: Local,
   inner: Inner,
   cycle: Cycle,
-  mean_sq: Any,
+  mean_sq: jax.Array | None,
   *,
   per_leaf: bool,
 ) -> Mean:
@@ -1168,7 +1189,9 @@ def _reduce(
   return cycle._replace(acc=acc, weight=scalars[0], noise=noise)
 
 
-def _inverse_weight(total_weight: jax.Array, acc: Any = ()) -> jax.Array:
+def _inverse_weight(
+  total_weight: jax.Array, acc: optax.Updates = ()
+) -> jax.Array:
   """1 / W, with 1 for a non-positive W (whose cycle updates nothing); a
   NaN W stays NaN so that it reaches ``inner``. In float32, or in float64
   where `acc` holds a float64 (or complex128) leaf (``jax_enable_x64``): a
@@ -1182,7 +1205,7 @@ def _inverse_weight(total_weight: jax.Array, acc: Any = ()) -> jax.Array:
   return 1.0 / jnp.where(total_weight <= 0, 1.0, total_weight)
 
 
-def _mean_sq_norm(acc: Any, total_weight: jax.Array) -> jax.Array:
+def _mean_sq_norm(acc: optax.Updates, total_weight: jax.Array) -> jax.Array:
   return _noise_scale.sq_norm(acc, _inverse_weight(total_weight))
 
 
@@ -1271,7 +1294,7 @@ def _inner_where_weighted(
   )
 
 
-def _settle(inner_state: Any, types: Any) -> Any:
+def _settle(inner_state: optax.OptState, types: Types) -> optax.OptState:
   """`inner_state` in the dtypes `inner` itself gives its new state.
 
   So that a holding call leaves the state typed as an updating one, and the
@@ -1310,8 +1333,10 @@ def _per_backend(*args: Any, cpu: Callable, accelerator: Callable) -> Any:
 class Closed(NamedTuple):
   """The params and the accumulator once a cycle's updates were read."""
 
-  params: Any  # with the updates applied, or None without params
-  acc: Any
+  params: (
+    optax.Params | None
+  )  # with the updates applied, or None without params
+  acc: optax.Updates
   acc_weight: jax.Array
 
 
@@ -1444,7 +1469,7 @@ def _next_state(
 # ----------------------------------------------------------------------------
 
 
-def compute_dtype(acc_dtype: Any) -> Any:
+def compute_dtype(acc_dtype: jax.typing.DTypeLike) -> jnp.dtype:
   """The dtype in which a gradient is weighted and added: at least float32.
 
   Chosen explicitly rather than by type promotion, so that it also works
