@@ -779,15 +779,10 @@ class Branch(NamedTuple):
   """What each branch of a closing conditional returns (the same fields in
   every branch, so that the conditional's outputs have names)."""
 
-  out: (
-    optax.Updates
-  )  # the updates; where they share the accumulator's buffer, it
-  acc: (
-    optax.Updates | None
-  )  # the accumulator, or None where `out` is its buffer
-  params: (
-    optax.Params | None
-  )  # the params (updated where the branch applied), or None
+  # The updates; where they share the accumulator's buffer, that buffer.
+  out: optax.Updates
+  acc: optax.Updates | None  # the accumulator; None where `out` is it
+  params: optax.Params | None  # updated where the branch applied them
   weight: jax.Array  # float32[]: the cycle's global total weight
   noise: Noise
   inner_state: optax.OptState
@@ -1117,9 +1112,8 @@ class Ran(NamedTuple):
 
   updates: optax.Updates
   inner_state: optax.OptState
-  params: (
-    optax.Params | None
-  )  # with the updates applied where asked (`apply`), else None
+  # The params with the updates applied where asked (`apply`), else None.
+  params: optax.Params | None
 
 
 def _cycle_mean(
@@ -1333,9 +1327,7 @@ def _per_backend(*args: Any, cpu: Callable, accelerator: Callable) -> Any:
 class Closed(NamedTuple):
   """The params and the accumulator once a cycle's updates were read."""
 
-  params: (
-    optax.Params | None
-  )  # with the updates applied, or None without params
+  params: optax.Params | None  # the updates applied; None without params
   acc: optax.Updates
   acc_weight: jax.Array
 
