@@ -299,7 +299,9 @@ def _open_cycle(state: AccumulateState, tree: Any) -> Any:
   state that holds nothing beside an open cycle (no stored weight where
   none is open: what every GPU/TPU program, and every ``axis_name`` engine
   but ``shard_map``'s, leaves) is returned as it is, with no select:
-  an unreduced buffer cannot be selected from outside ``jit``.
+  an unreduced buffer cannot be selected from outside ``jit``. A state
+  spread over several processes is read with the select, as every eager op
+  on it is: called by every process.
   """
   counters, weights = state.counters, state.acc_scalars
   leaves = jax.tree.leaves(tree)
@@ -310,11 +312,15 @@ def _open_cycle(state: AccumulateState, tree: Any) -> Any:
     return tree
   micro_step = jnp.asarray(counters)[..., 0]
   stored = jnp.asarray(weights)[..., 0]
-  if not isinstance(micro_step, jax.core.Tracer) and not isinstance(
-    stored, jax.core.Tracer
-  ):
-    if bool(jnp.all((micro_step > 0) | (stored == 0))):
-      return jax.tree.map(jnp.asarray, tree)
+  # Concrete and readable here (not a tracer; not spanning other processes'
+  # devices, whose values this process cannot fetch).
+  readable = all(
+    not isinstance(x, jax.core.Tracer)
+    and getattr(x, "is_fully_addressable", True)
+    for x in (micro_step, stored)
+  )
+  if readable and bool(jnp.all((micro_step > 0) | (stored == 0))):
+    return jax.tree.map(jnp.asarray, tree)
 
   def read(x: Any) -> jax.Array:
     x = jnp.asarray(x)

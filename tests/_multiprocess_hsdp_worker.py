@@ -111,7 +111,7 @@ def main(argv=None) -> None:
         for k, v in params0.items()
       }
       state = tx.init(params)
-      acc_shard = state.acc_grads["w"].addressable_shards[0].data.nbytes
+      acc_shard = state.acc_buffer["w"].addressable_shards[0].data.nbytes
       for s in range(STEPS):
         for i in range(K):
           micro = [global_batch(a, s, i) for a in (x, y, mask)]
