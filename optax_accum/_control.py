@@ -206,8 +206,9 @@ def cond(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any):
 
 
 def cleared(flag: jax.Array, tree: Any, ops: Any) -> Any:
-  """Zeros in place of `tree` where the scalar `flag` is true (callers pass
-  a flag that is true where this runs).
+  """Zeros in place of `tree` where the scalar `flag` is true (in a branch
+  that ends a cycle, callers pass a flag that is true where it runs; the CPU
+  cycle start passes whether no cycle is open).
 
   A select that reads `tree`, not constant zeros: XLA merges equal
   constants into one value, and outputs that share one value, or that are
