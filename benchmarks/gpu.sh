@@ -10,8 +10,8 @@
 # every configuration, so a run cut short keeps what it measured) and
 # OUTDIR/gpu.log (this console output). The Python side stops starting
 # configurations after --budget-s (default 360 s); GPU_SH_TIMEOUT (default
-# 420 s, 7 minutes) is the hard stop. To publish a run: copy loop.json to
-# benchmarks/results/gpu/loop.json and run benchmarks/render.py.
+# 420 s, 7 minutes) is the hard stop. To publish a run: copy OUTDIR to
+# benchmarks/results/gpu/DATE-NAME/ and run benchmarks/render.py.
 #
 # On CPU, tiny: JAX_PLATFORMS=cpu benchmarks/gpu.sh OUT --smoke
 set -uo pipefail

@@ -79,6 +79,39 @@ REASONS = {
     " alike, whose states have as many leaves (a tie)."
   ),
 }
+# The same, on a GPU (``gpu.sh``; the closing note of issue 52).
+_TINY_ON_A_GPU = (
+  "at the tiny model only: a call of every loop takes 0.09-0.18 ms there,"
+  " launching its kernels and dispatching from the host, and the rounds of"
+  " one loop scatter up to 3x. Compiled for an H100 at the same size"
+  " (`tools/tiny_step_kernels.py`: 4 layers of 128), `optax.MultiSteps`'"
+  " step is 26 kernels and 2 copies in a row, Adam on every call (XLA turns"
+  " its conditional into selects); ours is 19 kernels, a copy and two"
+  " conditionals (CUDA-graph conditional nodes). Which of these costs the"
+  " launch more was not measured apart."
+)
+# A key "path@size" (the table's model, as headed) before "path".
+GPU_REASONS = {
+  "jax.jit (README)@tiny": _TINY_ON_A_GPU,
+  "jax.jit, emit=@tiny": _TINY_ON_A_GPU,
+  "NNX, nnx.jit_partial@tiny": _TINY_ON_A_GPU,
+  "linen TrainState@tiny": _TINY_ON_A_GPU,
+  "equinox@tiny": _TINY_ON_A_GPU,
+  "NNX, nnx.jit_partial": (
+    "the fast form's own host cost, 0.13-0.18 ms a call at the tiny model"
+    " for ours and MultiSteps' alike, is about the device's step at 64 MB"
+    " (0.19-0.28 ms a call), so both loops wait on the host; at 512 MB it"
+    " is 1.49x (bfloat16) and 2.42x (float32)."
+  ),
+  "NNX, nnx.jit": (
+    "`nnx.jit` costs both loops 0.9-1.5 ms a call more than"
+    " `nnx.jit_partial(..., graph=False)` at every size measured (tiny,"
+    " 64 MB, 512 MB): flax's graph traversal in Python, on the host. Up to"
+    " 512 MB of float32 params that is longer than the device's step, so"
+    " both loops wait on the host: a tie. With bfloat16 params, or with the"
+    " fast form, ours is 1.1-2.4x."
+  ),
+}
 
 
 def _ratio(config: dict, ours: str, peer: str) -> dict[str, Any] | None:
@@ -144,16 +177,27 @@ def _groups(payload: dict) -> dict[tuple, list[dict]]:
   return out
 
 
-def _losses(rows: list[tuple[str, dict | None]]) -> str:
-  """One line per path that loses or ties somewhere, with its reason."""
+def _losses(
+  rows: list[tuple[str, dict | None]],
+  reasons: dict[str, str] = REASONS,
+  size: str = "",
+) -> str:
+  """One line per reason for the paths that lose or tie somewhere (a
+  reason for ``path@size`` before one for ``path``)."""
   seen = {}
   for path, r in rows:
     if r is not None and verdict(r) != "win":
       seen.setdefault(path, set()).add(verdict(r))
+  by_reason: dict[str, list[str]] = {}  # paths that share a reason: one line
+  for path, v in seen.items():
+    reason = reasons.get(f"{path}@{size}") or reasons.get(
+      path, "not explained yet: see the JSON's rounds."
+    )
+    by_reason.setdefault(reason, []).append(
+      f"{path} ({' and '.join(sorted(v))})"
+    )
   lines = [
-    f"- {path} ({' and '.join(sorted(v))}): "
-    + REASONS.get(path, "not explained yet: see the JSON's rounds.")
-    for path, v in seen.items()
+    f"- {'; '.join(paths)}: {reason}" for reason, paths in by_reason.items()
   ]
   return ("\n" + "\n".join(lines) + "\n") if lines else ""
 
@@ -161,6 +205,8 @@ def _losses(rows: list[tuple[str, dict | None]]) -> str:
 def loop(payload: dict[str, Any]) -> str:
   """Every path at every measured k, per model: ours / peer throughput."""
   parts = [_loop_machine(payload) + "\n"]
+  gpu = payload["machine"]["backend"] == "gpu"
+  reasons = GPU_REASONS if gpu else REASONS
   for (_, dtype, inner), configs in _groups(payload).items():
     configs = sorted(configs, key=lambda c: c["k"])
     first = configs[0]
@@ -178,12 +224,23 @@ def loop(payload: dict[str, Any]) -> str:
       rows.append([path, *(_cell(x, pair) for x in cells)])
       seen += [(path, x) for x in cells]
     parts.append(_table(["path", *[f"k={c['k']}" for c in configs]], rows))
-    parts.append(_losses([s for s in seen if s[0] in dict(PAIRS_BY_PATH)]))
+    losses = [s for s in seen if s[0] in PAIRS_BY_PATH]
+    parts.append(_losses(losses, reasons, _size(first)))
   for failed in payload.get("failed", []):
     parts.append(f"\n{failed['config']}: failed (see the JSON).\n")
   if payload.get("not_run"):
     parts.append(f"\nNot run (budget): {', '.join(payload['not_run'])}.\n")
   return "".join(parts)
+
+
+def gpu_loop(runs: dict[str, dict[str, Any]]) -> str:
+  """Every ``gpu.sh`` run in ``results/gpu/*/loop.json``, one after the
+  other (a run's rounds are seconds apart; runs are minutes apart)."""
+  return "\n".join(
+    f"Run {i} of {len(runs)} (`results/gpu/{folder}/loop.json`, started"
+    f" {payload['machine']['timestamp'][11:16]} UTC):\n\n{loop(payload)}"
+    for i, (folder, payload) in enumerate(sorted(runs.items()), 1)
+  )
 
 
 def _mib(nbytes: int | None, digits: int) -> str:
@@ -683,7 +740,7 @@ def bench_plan(payload: dict[str, Any]) -> str:
 SECTIONS: dict[str, Callable[[Any], str]] = {
   "performance": performance,
   "loop": loop,
-  "gpu_loop": loop,
+  "gpu_loop": gpu_loop,
   "loop_steps": loop_steps,
   "nnx_forms": nnx_forms,
   "gpu_history": gpu_history,
@@ -699,7 +756,7 @@ GPU_RUNS = RESULTS / "gpu"
 # several files, handed over as {stem or path: payload}.
 SOURCES: dict[str, Any] = {
   "loop": RESULTS / "loop.json",
-  "gpu_loop": RESULTS / "gpu" / "loop.json",
+  "gpu_loop": tuple(sorted(GPU_RUNS.glob("*/loop.json"))),
   "loop_steps": RESULTS / "loop.json",
   "nnx_forms": RESULTS / "loop.json",
   "performance": tuple(
@@ -751,7 +808,7 @@ def section(name: str) -> str:
   if not isinstance(path, tuple):
     return SECTIONS[name](json.loads(path.read_text()))
   keys = [p.stem for p in paths]
-  if len(set(keys)) < len(keys):  # runs of one script: their folders
+  if any(p.parent != RESULTS for p in paths):  # runs, a folder each
     keys = [p.parent.name for p in paths]
   return SECTIONS[name](
     {k: json.loads(p.read_text()) for k, p in zip(keys, paths, strict=True)}

@@ -344,6 +344,16 @@ def test_losses_and_ties_are_marked_and_explained():
     "tie**" in rows["NNX, nnx.jit"] and "loss**" in rows["linen TrainState"]
   )
   assert "- NNX, nnx.jit (tie): " in text
-  assert "- linen TrainState (loss): not explained yet" in text
+  # Paths with one reason share its line.
+  assert "- linen TrainState (loss); equinox (tie): not explained yet" in text
   assert "1.20x (0.25-2.25); of medians 0.30x, tie" in rows["equinox"]
   assert "of medians" not in rows["NNX, nnx.jit"]
+  # A GPU run's reasons are the GPU's, a size's before the path's.
+  payload["machine"]["backend"] = "gpu"
+  config["size_mb"] = 0.25
+  gpu = render.loop(payload)
+  assert render.GPU_REASONS["NNX, nnx.jit"] in gpu
+  assert render.REASONS["NNX, nnx.jit"] not in gpu
+  assert (
+    f"linen TrainState (loss); equinox (tie): {render._TINY_ON_A_GPU}" in gpu
+  )
