@@ -741,6 +741,10 @@ SECTIONS: dict[str, Callable[[Any], str]] = {
   "performance": performance,
   "loop": loop,
   "gpu_loop": gpu_loop,
+  "gpu_nnx_forms": lambda runs: "\n".join(
+    f"Run {i} of {len(runs)}: {nnx_forms(payload)}"
+    for i, (_, payload) in enumerate(sorted(runs.items()), 1)
+  ),
   "loop_steps": loop_steps,
   "nnx_forms": nnx_forms,
   "gpu_history": gpu_history,
@@ -757,6 +761,7 @@ GPU_RUNS = RESULTS / "gpu"
 SOURCES: dict[str, Any] = {
   "loop": RESULTS / "loop.json",
   "gpu_loop": tuple(sorted(GPU_RUNS.glob("*/loop.json"))),
+  "gpu_nnx_forms": tuple(sorted(GPU_RUNS.glob("*/loop.json"))),
   "loop_steps": RESULTS / "loop.json",
   "nnx_forms": RESULTS / "loop.json",
   "performance": tuple(
