@@ -81,14 +81,18 @@ REASONS = {
 }
 # The same, on a GPU (``gpu.sh``; the closing note of issue 52).
 _TINY_ON_A_GPU = (
-  "at the tiny model only: a call of every loop takes 0.09-0.18 ms there,"
-  " launching its kernels and dispatching from the host, and the rounds of"
-  " one loop scatter up to 3x. Compiled for an H100 at the same size"
-  " (`tools/tiny_step_kernels.py`: 4 layers of 128), `optax.MultiSteps`'"
-  " step is 26 kernels and 2 copies in a row, Adam on every call (XLA turns"
-  " its conditional into selects); ours is 19 kernels, a copy and two"
-  " conditionals (CUDA-graph conditional nodes). Which of these costs the"
-  " launch more was not measured apart."
+  "at the tiny model only, where every loop is bound by the host: in"
+  " `benchmarks/tiny_call_probe.py` on the same H200"
+  " (`results/gpu/2026-11-27-tiny-probe/`, 7 rounds of 1,000 calls) each"
+  " call is done on the device by the time the next is dispatched, and the"
+  " dispatch takes 83-84 µs a call for our traced step (bare), 74-78 µs for"
+  " `optax.MultiSteps`' and 75-78 µs for our `emit=` step (medians; the"
+  " floor: 72 µs). Compiled for an H100 at the same size"
+  " (`tools/tiny_step_kernels.py`), the traced step is 19 kernels, a copy"
+  " and two conditionals (CUDA-graph conditional nodes), MultiSteps' 26"
+  " kernels and 2 copies (XLA turns its conditional into selects), the"
+  " `emit=` step has no conditional: the conditionals are the difference"
+  " known, not isolated further. The rounds of one loop scatter up to 3x."
 )
 # A key "path@size" (the table's model, as headed) before "path".
 GPU_REASONS = {

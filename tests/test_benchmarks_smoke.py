@@ -131,6 +131,21 @@ def test_gpu_sh_smoke_on_cpu(tmp_path):
   assert "gpu.sh: exit 0" in (tmp_path / "gpu.log").read_text()
 
 
+def test_tiny_call_probe_splits_dispatch_from_the_whole():
+  """benchmarks/tiny_call_probe.py (the GPU page's tiny-model reason): each
+  loop's seconds per call, dispatched and whole, every round."""
+  result = _run("tiny_call_probe", "--rounds", "2", "--calls", "2", "--k", "2")
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  payload = json.loads(result.stdout.strip().splitlines()[-1])
+  loops = payload["results"]["2"]
+  assert sorted(loops) == sorted(
+    ["readme", "bare", "static", "multisteps", "floor"]
+  )
+  for r in loops.values():
+    assert len(r["dispatch_s"]) == len(r["total_s"]) == 2
+    assert all(0 < d <= t for d, t in zip(r["dispatch_s"], r["total_s"]))
+
+
 def test_bench_comm_counts_deferred_traffic(run_once):
   """Payload per optimizer step grows with k when every micro-batch is
   reduced, and stays at one gradient with `axis_name` (under shard_map or

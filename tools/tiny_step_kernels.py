@@ -4,7 +4,7 @@ program, for ours (traced, applied with ``optax_accum.apply_updates``) and
 ``optax.MultiSteps`` (applied with ``optax.apply_updates``). Compiled
 without the device (``benchmarks/_compiled_steps.py``, width 128, 4 layers,
 k=8): counts, never a time. The GPU loop page cites it where the tiny model
-is launch-bound (``benchmarks/render.py``, ``GPU_REASONS``).
+is bound by the host's dispatch (``benchmarks/render.py``, ``GPU_REASONS``).
 
 Usage (the project's .venv python, from the repository root, with the
 accelerator compilers that ``make test`` installs)::
