@@ -143,7 +143,8 @@ def test_tiny_call_probe_splits_dispatch_from_the_whole():
   )
   for r in loops.values():
     assert len(r["dispatch_s"]) == len(r["total_s"]) == 2
-    assert all(0 < d <= t for d, t in zip(r["dispatch_s"], r["total_s"]))
+    pairs = zip(r["dispatch_s"], r["total_s"], strict=True)
+    assert all(0 < d <= t for d, t in pairs)
 
 
 def test_bench_comm_counts_deferred_traffic(run_once):
