@@ -24,6 +24,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench_compiled  # noqa: E402
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 from optax_accum import _accumulate, _control  # noqa: E402
@@ -64,8 +65,71 @@ def _narrow_updates_shared(config, engine, inner, cycle):
   return _accumulate._decide(config, engine, inner, cycle, shares=True)
 
 
-# name -> (module, attribute, replacement)
+_add = _accumulate._add
+_ADDED: dict[str, Any] = {}
+
+
+def _add_kept_apart(config, engine, state, grads, call, *, params):
+  """The library's add, with its terms kept for :func:`_add_in_branches`
+  (which leaves the add made here unused: XLA drops it)."""
+  _ADDED.update(start=state.acc_buffer, grads=grads)
+  return _add(config, engine, state, grads, call, params=params)
+
+
+def _add_in_branches(config, engine, inner, cycle):
+  """The route to issue 52's 1.05 that costs memory: `_apply_inside` with
+  each gradient added inside every branch of the switch (the default call:
+  no weight, no skip), so that the updating branch fuses the add into the
+  optimizer's kernels, as the static step does, and every gradient is an
+  operand of the switch."""
+  index = jnp.where(cycle.ends, jnp.where(~(cycle.weight <= 0), 1, 2), 0)
+
+  def summed(branch):
+    def run(cycle, start, grads):
+      acc = jax.tree.map(
+        lambda a, g: _accumulate.add_term(a, g, ops=engine), start, grads
+      )
+      return branch(cycle._replace(acc=acc))
+
+    return run
+
+  def update(cycle):
+    mean = _accumulate._cycle_mean(
+      config, engine, inner, cycle, None, per_leaf=False
+    )
+    ran = _accumulate._run_inner(config, inner, mean.operands, apply=True)
+    return _accumulate._holding(inner, cycle, shares=False)._replace(
+      out=ran.updates,
+      acc=engine.cleared(cycle.ends, cycle.acc, mean.operands.total),
+      params=ran.params,
+      noise=mean.noise,
+      inner_state=ran.inner_state,
+      updated=jnp.asarray(True),
+      cycle_weight=cycle.weight,
+    )
+
+  def weightless(cycle):
+    return _accumulate._holding(inner, cycle, shares=False)._replace(
+      out=_accumulate._no_updates(inner, ~cycle.ends),
+      acc=engine.cleared(cycle.ends, cycle.acc, cycle.acc),
+    )
+
+  def hold(cycle):
+    return _accumulate._holding(inner, cycle, shares=False)
+
+  branches = [summed(f) for f in (hold, update, weightless)]
+  branch = _control.switch(
+    index, branches, cycle, _ADDED["start"], _ADDED["grads"]
+  )
+  return _accumulate._applied_in_branch(cycle, branch)
+
+
+# name -> [(module, attribute, replacement)]
 PLANTS = {
+  "add_in_branches": [
+    (_accumulate, "_add", _add_kept_apart),
+    (_accumulate, "_apply_inside", _add_in_branches),
+  ],
   "narrow_updates_shared": (
     _accumulate,
     "_apply_inside",
@@ -87,13 +151,16 @@ def planted(name: str | None):
   if name is None:
     yield
     return
-  module, attribute, replacement = PLANTS[name]
-  original = getattr(module, attribute)
-  setattr(module, attribute, replacement)
+  plants = PLANTS[name]
+  plants = plants if isinstance(plants, list) else [plants]
+  originals = [(m, a, getattr(m, a)) for m, a, _ in plants]
+  for module, attribute, replacement in plants:
+    setattr(module, attribute, replacement)
   try:
     yield
   finally:
-    setattr(module, attribute, original)
+    for module, attribute, original in originals:
+      setattr(module, attribute, original)
 
 
 def main(requests_path: str, facts_path: str) -> None:
