@@ -12,9 +12,11 @@ accelerator compilers that ``make test`` installs)::
   JAX_PLATFORMS=cpu PYTHONPATH=.venv/accel:. python tools/tiny_step_kernels.py
 """
 
-import re
+import collections
 import sys
 from pathlib import Path
+
+from optax_accum.inspect._hlo import HloModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import _compiled_steps as cs  # noqa: E402  (benchmarks/)
@@ -29,12 +31,10 @@ def top_level_counts(variant: str, apply: str) -> dict[str, int]:
   case = cs.Case(
     target="h100", variant=variant, apply=apply, width=128, layers=4, batch=8
   )
-  text = cs.compile_case(case).as_text()
-  entry = text[text.index("ENTRY") :]
-  entry = entry[: entry.index("\n}")]
+  module = HloModule(cs.compile_case(case).as_text())
+  ops = collections.Counter(i.opcode for i in module.computations[module.entry])
   return {
-    op: len(re.findall(rf" {op}\(", entry))
-    for op in ("fusion", "copy", "conditional", "custom-call")
+    op: ops[op] for op in ("fusion", "copy", "conditional", "custom-call")
   }
 
 
