@@ -237,14 +237,20 @@ def loop(payload: dict[str, Any]) -> str:
   return "".join(parts)
 
 
-def gpu_loop(runs: dict[str, dict[str, Any]]) -> str:
-  """Every ``gpu.sh`` run in ``results/gpu/*/loop.json``, one after the
-  other (a run's rounds are seconds apart; runs are minutes apart)."""
-  return "\n".join(
-    f"Run {i} of {len(runs)} (`results/gpu/{folder}/loop.json`, started"
-    f" {payload['machine']['timestamp'][11:16]} UTC):\n\n{loop(payload)}"
-    for i, (folder, payload) in enumerate(sorted(runs.items()), 1)
-  )
+def _each_run(render_one: Callable[[dict[str, Any]], str]):
+  """A block of every ``gpu.sh`` run in ``results/gpu/*/loop.json``, each
+  rendered by `render_one`, one after the other (a run's rounds are
+  seconds apart; runs are minutes apart)."""
+
+  def block(runs: dict[str, dict[str, Any]]) -> str:
+    return "\n".join(
+      f"Run {i} of {len(runs)} (`results/gpu/{folder}/loop.json`, started"
+      f" {payload['machine']['timestamp'][11:16]} UTC):\n\n"
+      + render_one(payload)
+      for i, (folder, payload) in enumerate(sorted(runs.items()), 1)
+    )
+
+  return block
 
 
 def _mib(nbytes: int | None, digits: int) -> str:
@@ -744,11 +750,8 @@ def bench_plan(payload: dict[str, Any]) -> str:
 SECTIONS: dict[str, Callable[[Any], str]] = {
   "performance": performance,
   "loop": loop,
-  "gpu_loop": gpu_loop,
-  "gpu_nnx_forms": lambda runs: "\n".join(
-    f"Run {i} of {len(runs)}: {nnx_forms(payload)}"
-    for i, (_, payload) in enumerate(sorted(runs.items()), 1)
-  ),
+  "gpu_loop": _each_run(loop),
+  "gpu_nnx_forms": _each_run(nnx_forms),
   "loop_steps": loop_steps,
   "nnx_forms": nnx_forms,
   "gpu_history": gpu_history,
@@ -760,12 +763,13 @@ SECTIONS: dict[str, Callable[[Any], str]] = {
   "wire_dtype": wire_dtype,
 }
 GPU_RUNS = RESULTS / "gpu"
+GPU_LOOPS = tuple(sorted(GPU_RUNS.glob("*/loop.json")))  # gpu.sh's runs
 # Where each block's JSON is, when not RESULTS / f"{name}.json"; a tuple:
 # several files, handed over as {stem or path: payload}.
 SOURCES: dict[str, Any] = {
   "loop": RESULTS / "loop.json",
-  "gpu_loop": tuple(sorted(GPU_RUNS.glob("*/loop.json"))),
-  "gpu_nnx_forms": tuple(sorted(GPU_RUNS.glob("*/loop.json"))),
+  "gpu_loop": GPU_LOOPS,
+  "gpu_nnx_forms": GPU_LOOPS,
   "loop_steps": RESULTS / "loop.json",
   "nnx_forms": RESULTS / "loop.json",
   "performance": tuple(
