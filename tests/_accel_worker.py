@@ -24,7 +24,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench_compiled  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 from optax_accum import _accumulate, _control  # noqa: E402
@@ -76,13 +75,17 @@ def _add_kept_apart(config, engine, state, grads, call, *, params):
   return _add(config, engine, state, grads, call, params=params)
 
 
+_apply_inside = _accumulate._apply_inside
+
+
 def _add_in_branches(config, engine, inner, cycle):
-  """The route to issue 52's 1.05 that costs memory: `_apply_inside` with
-  each gradient added inside every branch of the switch (the default call:
-  no weight, no skip), so that the updating branch fuses the add into the
-  optimizer's kernels, as the static step does, and every gradient is an
-  operand of the switch."""
-  index = jnp.where(cycle.ends, jnp.where(~(cycle.weight <= 0), 1, 2), 0)
+  """The route to issue 52's 1.05 that costs memory: the library's own
+  `_apply_inside`, whose switch gets the add's terms as operands and makes
+  the sum inside every branch (the default call: no weight, no skip), so
+  that the updating branch fuses the add into the optimizer's kernels, as
+  the static step does, and every gradient is an operand of the switch."""
+  switch = _control.switch
+  start, grads = _ADDED["start"], _ADDED["grads"]
 
   def summed(branch):
     def run(cycle, start, grads):
@@ -93,35 +96,15 @@ def _add_in_branches(config, engine, inner, cycle):
 
     return run
 
-  def update(cycle):
-    mean = _accumulate._cycle_mean(
-      config, engine, inner, cycle, None, per_leaf=False
-    )
-    ran = _accumulate._run_inner(config, inner, mean.operands, apply=True)
-    return _accumulate._holding(inner, cycle, shares=False)._replace(
-      out=ran.updates,
-      acc=engine.cleared(cycle.ends, cycle.acc, mean.operands.total),
-      params=ran.params,
-      noise=mean.noise,
-      inner_state=ran.inner_state,
-      updated=jnp.asarray(True),
-      cycle_weight=cycle.weight,
-    )
+  def switch_with_the_add(index, branches, cycle):
+    _control.switch = switch  # its own switch only: the branches' run plain
+    return switch(index, [summed(b) for b in branches], cycle, start, grads)
 
-  def weightless(cycle):
-    return _accumulate._holding(inner, cycle, shares=False)._replace(
-      out=_accumulate._no_updates(inner, ~cycle.ends),
-      acc=engine.cleared(cycle.ends, cycle.acc, cycle.acc),
-    )
-
-  def hold(cycle):
-    return _accumulate._holding(inner, cycle, shares=False)
-
-  branches = [summed(f) for f in (hold, update, weightless)]
-  branch = _control.switch(
-    index, branches, cycle, _ADDED["start"], _ADDED["grads"]
-  )
-  return _accumulate._applied_in_branch(cycle, branch)
+  _control.switch = switch_with_the_add
+  try:
+    return _apply_inside(config, engine, inner, cycle)
+  finally:
+    _control.switch = switch
 
 
 # name -> [(module, attribute, replacement)]
