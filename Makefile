@@ -130,17 +130,17 @@ $(OLD_STAMP): constraints/oldest.txt
 	touch $(OLD_STAMP)
 
 # The core's run, for a leg's Python: test-oldest and test-py311.
-CORE_PYTEST := -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope \
-  $(CORE_TESTS) -k "not nojit"
+LEG_PYTEST := -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope -k "not nojit"
 
 test-oldest: $(OLD_STAMP)
-	$(OLD_PY) $(CORE_PYTEST)
+	$(OLD_PY) $(LEG_PYTEST) $(CORE_TESTS)
 
 # --- Python 3.11's leg (issue 42) ---------------------------------------------
 # When the main venv runs a newer Python: the same core on the newest jax
 # Python 3.11 gets (jax 0.10.2, constraints/py311.txt), in a venv of its
-# own, imported from this checkout as test-oldest does. 210 tests (and the
-# 4 of tests/test_old_jax.py that skip where the feature works).
+# own, imported from this checkout as test-oldest does; and the programs
+# compiled for an H100 and a TPU (tests/test_accelerators.py, the recipes
+# of tests/test_recipes.py), with that jax's compilers.
 PY311_VENV := .venv-py311
 PY311_PY := $(PY311_VENV)/bin/python
 PY311_STAMP := $(PY311_VENV)/.installed
@@ -151,6 +151,18 @@ $(PY311_STAMP): constraints/py311.txt
 	$(call install,$(PY311_VENV),-r constraints/py311.txt)
 	touch $(PY311_STAMP)
 
+# The leg's own compilers for an H100 and a TPU (the CUDA plugin and libtpu
+# of jax 0.10.2), so that the compiled-program tests hold that XLA too
+# (issue 60: its XLA copies a program jax 0.12's does not).
+PY311_ACCEL := $(PY311_VENV)/accel
+PY311_ACCEL_STAMP := $(PY311_ACCEL)/.installed
+PY311_TESTS := $(CORE_TESTS) tests/test_accelerators.py tests/test_recipes.py
+
+$(PY311_ACCEL_STAMP): $(PY311_STAMP)
+	rm -rf $(PY311_ACCEL)
+	$(call install,$(PY311_VENV),--no-deps --target $(PY311_ACCEL) $$($(PY311_PY) -m optax_accum.targets))
+	touch $(PY311_ACCEL_STAMP)
+
 ifeq ($(PY311),)
 test-py311:
 	@echo "test-py311: no Python 3.11 on this machine; not run."
@@ -158,8 +170,8 @@ else ifeq ($(PY311),$(PYTHON))
 test-py311:
 	@echo "test-py311: the main venv runs Python 3.11 already; not run again."
 else
-test-py311: $(PY311_STAMP)
-	$(PY311_PY) $(CORE_PYTEST)
+test-py311: $(PY311_STAMP) $(PY311_ACCEL_STAMP)
+	OPTAX_ACCUM_ACCEL=$(abspath $(PY311_ACCEL)) $(PY311_PY) $(LEG_PYTEST) $(PY311_TESTS)
 endif
 
 # Says which Python the main venv runs, loudly when it is not the newest

@@ -801,7 +801,11 @@ def _decide_on_device(
   applies them in the updating branch (:func:`_apply_inside`) instead of
   passing them through the accumulator's buffer, which costs the updating
   step a float32 write and read of every update there. Everything else is
-  :func:`_decide`, which CPU programs keep for narrow updates too.
+  :func:`_decide`, which CPU programs keep for narrow updates too, and so
+  does every program on a jax whose XLA copies what a later branch passes
+  through (:data:`_control.LATER_BRANCHES_COPY`, before jax 0.11.1): there
+  the switch's weightless branch would copy the params and the inner state
+  on every call.
   """
   shares = _shares_buffer(engine, inner, cycle.acc)
   # (`shares`: the same tree and shapes, so the leaves pair up.)
@@ -813,7 +817,7 @@ def _decide_on_device(
       strict=True,
     )
   )
-  if narrow and cycle.params is not None:
+  if narrow and cycle.params is not None and not _control.LATER_BRANCHES_COPY:
     return _per_backend(
       cycle,
       cpu=lambda c: _decide(config, engine, inner, c, shares=True),

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from optax_accum import _versions
+
 
 def axis_tuple(axis_name: Hashable) -> tuple:
   """The axis names in `axis_name` (one name or a tuple of names)."""
@@ -192,17 +194,31 @@ def cond(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any):
   algebraic simplifier folds back into a predicate; the conditional
   simplifier then inlines a predicate conditional whose branches are all
   elementwise into selects, so both branches run on every call (the inner
-  optimizer on every micro-step). And, with jax/jaxlib 0.10.2's XLA:GPU, a
-  pass-through branch that is not branch 0 makes copy insertion copy the
-  operands it passes through (jax 0.12's no longer does; branch 0 first
-  stays, for the older XLAs the package supports). An ``int32`` index
-  (``lax.switch`` clamps it, so it stays an integer) with the holding branch
-  first avoids both. Held by
-  ``tests/test_accelerators.py`` (plants ``lax_cond`` and
+  optimizer on every micro-step). And, before jax/jaxlib 0.11.1, a
+  pass-through branch that is not branch 0 is copied
+  (:data:`LATER_BRANCHES_COPY`). An ``int32`` index (``lax.switch`` clamps
+  it, so it stays an integer) with the holding branch first avoids both.
+  Held by ``tests/test_accelerators.py`` (plants ``lax_cond`` and
   ``holding_branch_last``).
   """
   index = jnp.asarray(pred).astype(jnp.int32)
   return switch(index, (false_fun, true_fun), *operands)
+
+
+#: Whether this jax's XLA copies what a conditional's branch other than
+#: branch 0 passes through. XLA:GPU before jax/jaxlib 0.11.1 does (copy
+#: insertion; seen with 0.10.2 and 0.11.0, not with 0.11.1, 0.11.2 or
+#: 0.12.0.1, compiled for an H100): a holding branch placed last costs twelve
+#: 16 MiB copies on every call (:func:`cond` keeps it first), and a switch
+#: with a second pass-through branch, such as ``_apply_inside``'s for a
+#: weightless cycle in ``_accumulate.py``, 40 parameter-sized copies and 3.37
+#: accumulators of memory (bf16 params, adam, 4 x 2048^2). Where it is
+#: true, ``_decide_on_device`` keeps bf16 updates in the accumulator's
+#: buffer instead (one conditional with a single pass-through branch, and
+#: 0.2's memory). Held on the ``make test-py311`` leg (jax 0.10.2) by
+#: ``tests/test_accelerators.py`` (``test_extra_memory_is_at_most_the_accumulator``
+#: and the plant ``switch_on_every_xla``).
+LATER_BRANCHES_COPY = not _versions.jax_at_least("0.11.1")
 
 
 def cleared(flag: jax.Array, tree: Any, ops: Any) -> Any:

@@ -109,6 +109,8 @@ def _add_in_branches(config, engine, inner, cycle):
 
 # name -> [(module, attribute, replacement)]
 PLANTS = {
+  # The three-branch switch of `_apply_inside` on every jax, 0.10.2's too.
+  "switch_on_every_xla": (_control, "LATER_BRANCHES_COPY", False),
   "add_in_branches": [
     (_accumulate, "_add", _add_kept_apart),
     (_accumulate, "_apply_inside", _add_in_branches),
