@@ -48,10 +48,13 @@ class Mutant:
   new: str
   tests: tuple[str, ...]  # pytest arguments: files, `-k` selections
   why: str  # what a user would see
+  # The venv whose Python (and compilers, VENV/accel) runs the tests, for a
+  # behaviour only an older jax shows; None: this Python.
+  venv: str | None = None
 
 
-def _m(name, path, old, new, tests, why):
-  return Mutant(name, f"optax_accum/{path}", old, new, tuple(tests), why)
+def _m(name, path, old, new, tests, why, venv=None):
+  return Mutant(name, f"optax_accum/{path}", old, new, tuple(tests), why, venv)
 
 
 EDGES = "tests/test_edges.py"
@@ -743,6 +746,23 @@ MUTANTS += [
   ),
 ]
 
+MUTANTS += [
+  # -- The program form chosen by the XLA installed (issue 60). -------------
+  _m(
+    "bf16 switch on an XLA that copies it",
+    "_control.py",
+    'LATER_BRANCHES_COPY = not _versions.jax_at_least("0.11.1")',
+    "LATER_BRANCHES_COPY = False",
+    [
+      "tests/test_accelerators.py",
+      "-k",
+      "extra_memory and bf16 or copies_nothing and bf16",
+    ],
+    "bf16 params on a GPU with jax 0.10.2: 40 parameter-sized copies and"
+    " 3.4x the accumulator's memory",
+    venv=".venv-py311",
+  ),
+]
 
 # ----------------------------------------------------------------------------
 # Running them.
@@ -767,11 +787,18 @@ def _copy(dest: pathlib.Path) -> pathlib.Path:
   return dest
 
 
-def _pytest(copy: pathlib.Path, tests: tuple, timeout: float):
+def _pytest(
+  copy: pathlib.Path, tests: tuple, timeout: float, venv: str | None = None
+):
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join([str(copy), env.get("PYTHONPATH", "")])
-  env.setdefault("OPTAX_ACCUM_ACCEL", str(REPO / ".venv" / "accel"))
-  argv = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
+  python = sys.executable
+  if venv is None:
+    env.setdefault("OPTAX_ACCUM_ACCEL", str(REPO / ".venv" / "accel"))
+  else:
+    python = str(REPO / venv / "bin" / "python")
+    env["OPTAX_ACCUM_ACCEL"] = str(REPO / venv / "accel")
+  argv = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
   try:
     result = subprocess.run(
       [*argv, *tests],
@@ -809,7 +836,7 @@ def _run_one(mutant: Mutant, root: pathlib.Path, timeout: float) -> dict:
   if original is None:
     return dict(mutant=mutant, status="NOT APPLIED", detail="", seconds=0.0)
   try:
-    code, output = _pytest(root, mutant.tests, timeout)
+    code, output = _pytest(root, mutant.tests, timeout, mutant.venv)
   finally:
     (root / mutant.path).write_text(original)
   if code == "timeout":
@@ -859,7 +886,8 @@ def main(argv=None) -> int:
     mutants = [dataclasses.replace(m, tests=tests) for m in mutants]
   if args.list:
     for m in mutants:
-      print(f"{m.name}\n  {m.path}: {m.why}\n  tests: {' '.join(m.tests)}")
+      on = f" (on {m.venv})" if m.venv else ""
+      print(f"{m.name}\n  {m.path}: {m.why}\n  tests{on}: {' '.join(m.tests)}")
     return 0
   jobs = max(1, args.jobs)
   with tempfile.TemporaryDirectory(prefix="optax_accum_mutants_") as tmp:
@@ -869,9 +897,12 @@ def main(argv=None) -> int:
       m for m in mutants if (REPO / m.path).read_text().count(m.old) != 1
     ]
     if not args.no_baseline:
-      selections = sorted({m.tests for m in mutants if m not in stale})
-      for tests in selections:
-        code, output = _pytest(roots[0], tests, args.timeout)
+      selections = sorted(
+        {(m.tests, m.venv) for m in mutants if m not in stale},
+        key=lambda s: (s[0], s[1] or ""),
+      )
+      for tests, venv in selections:
+        code, output = _pytest(roots[0], tests, args.timeout, venv)
         if code != 0:
           print(
             f"baseline FAILS for {' '.join(tests)}: {_first_failure(output)}"
