@@ -80,9 +80,9 @@ run goes on where it stopped, mid-cycle too::
   data left in file``.
 * NNX, Orbax into ``nnx.state(optimizer)`` then ``nnx.update``: strict,
   Orbax's error; with ``partial_restore=True``, silent (no code of this
-  package runs in ``nnx.update``). Restore instead into ``nnx.Optimizer(model,
-  equivalent(tx).gradient_transformation(), wrt=...)`` (the old layout,
-  built from ``tx``) and convert its ``nnx.as_pure(opt_state)``.
+  package runs in ``nnx.update``). Restore instead without a target (the
+  checkpoint's own layout) and hand the optimizer's part to
+  ``optax_accum.flax.Optimizer.load``, which converts it in one call.
 
 So during a switch, call :func:`check_restored` once after every restore
 that no code of this package runs in, with the trainer's own count of calls
@@ -377,8 +377,9 @@ _RESTORE_FIX = (
   " `optax_accum.multisteps.restore_target(tx, params)` is that target for"
   " the opt_state, and"
   " `optax_accum.multisteps.from_multisteps(restored_opt_state,"
-  " tx.init(params))` continues the run (mid-cycle too). See"
-  " help(optax_accum.multisteps)."
+  " tx.init(params))` continues the run (mid-cycle too); into an"
+  " optax_accum.flax.Optimizer, `optimizer.load(restored_optimizer)` does"
+  " both in one call. See help(optax_accum.multisteps)."
 )
 
 

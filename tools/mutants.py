@@ -746,6 +746,36 @@ MUTANTS += [
   ),
 ]
 
+NNX_STATE = "tests/test_nnx_state.py"
+MUTANTS += [
+  # -- The NNX drop-in's state as one Variable (issue 61). ------------------
+  _m(
+    "nnx optimizer state specs all replicated",
+    "flax/_nnx.py",
+    "  flat = [s.get_value() if isinstance(s, nnx.Variable) else s for s in flat]",
+    "  flat = [PartitionSpec() for s in flat]",
+    [NNX_STATE, "-k", "shardings"],
+    "optax_accum.flax.get_partition_spec: the accumulator replicated where"
+    " its param is sharded",
+  ),
+  _m(
+    "nnx load keeps the fresh step",
+    "flax/_nnx.py",
+    '    self.step[...] = jnp.asarray(saved["step"], jnp.uint32)',
+    "    pass",
+    [NNX_STATE, "-k", "another_layout_comes_in"],
+    "Optimizer.load: optimizer.step restarts at 0",
+  ),
+  _m(
+    "nnx load reads integer keys only",
+    "flax/_nnx.py",
+    "    names = (key.idx, str(key.idx))",
+    "    names = (key.idx,)",
+    [NNX_STATE, "-k", "another_layout_comes_in"],
+    "Optimizer.load of a msgpack checkpoint (string indices): an error",
+  ),
+]
+
 MUTANTS += [
   # -- The program form chosen by the XLA installed (issue 60). -------------
   _m(
