@@ -93,6 +93,12 @@ _TINY_ON_A_GPU = (
   " kernels and 2 copies (XLA turns its conditional into selects), the"
   " `emit=` step has no conditional: the conditionals are the difference"
   " known, not isolated further. The rounds of one loop scatter up to 3x."
+  " Since these runs (issue 61), a GPU program of a state below 1 MiB"
+  " decides with selects, as MultiSteps' does (`SELECTS_BELOW_BYTES` in"
+  " `optax_accum/_control.py`): compiled for an H100 the tiny traced step"
+  " is 18 kernels, 3 small copies and no conditional. Not yet re-timed on"
+  " a GPU: `benchmarks/tiny_variants.py` is the prepared experiment (the"
+  " probe under each program form and command-buffer setting)."
 )
 # A key "path@size" (the table's model, as headed) before "path".
 GPU_REASONS = {
@@ -113,7 +119,8 @@ GPU_REASONS = {
     " 64 MB, 512 MB): flax's graph traversal in Python, on the host. Up to"
     " 512 MB of float32 params that is longer than the device's step, so"
     " both loops wait on the host: a tie. With bfloat16 params, or with the"
-    " fast form, ours is 1.1-2.4x."
+    " fast form, ours is 1.1-2.4x. These runs predate the drop-in's"
+    " one-Variable state (issue 61), which halves the CPU walk."
   ),
 }
 

@@ -8,9 +8,16 @@ host's dispatch, the device still running) and when its results are
 ready (the whole). Host-bound: the two are about equal. Prints one JSON
 line: per loop and k, the rounds' seconds per call of both.
 
+``--form`` compiles the traced step (``readme``, ``bare``) in another
+program form, for ``tiny_variants.py``: ``library`` (as shipped: on a GPU
+a small state decides with selects), ``conditionals`` (the two conditionals
+of a large state at every size: the library before issue 61) or
+``one_switch`` (one conditional: the updating branch applies the params
+itself, as the bf16 step does).
+
 Usage::
 
-  python benchmarks/tiny_call_probe.py [--rounds 5] [--calls 400]
+  python benchmarks/tiny_call_probe.py [--rounds 5] [--calls 400] [--form F]
 """
 
 import argparse
@@ -24,6 +31,27 @@ from _loops import INNERS, Problem, build
 from _models import make_problem
 
 LOOPS = ("readme", "bare", "static", "multisteps", "floor")
+FORMS = ("library", "conditionals", "one_switch")
+
+
+def use_form(form: str) -> None:
+  """Compiles the traced step in `form` from now on (see the module's
+  docstring): the library's own functions, chosen differently."""
+  import functools  # noqa: PLC0415
+
+  from optax_accum import _accumulate, _control  # noqa: PLC0415
+
+  if form in ("conditionals", "one_switch"):
+    _control.SELECTS_BELOW_BYTES = 0
+  if form == "one_switch":
+
+    def one_switch(config, engine, inner, cycle):
+      decide = functools.partial(_accumulate._apply_inside, config, engine)
+      if cycle.params is None:
+        return _accumulate._decide(config, engine, inner, cycle, shares=True)
+      return decide(inner, cycle)
+
+    _accumulate._decide_on_device = one_switch
 
 
 def probe(k: int, rounds: int, calls: int) -> dict:
@@ -59,7 +87,9 @@ def main() -> None:
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--calls", type=int, default=400)
   p.add_argument("--k", type=int, nargs="+", default=[2, 8])
+  p.add_argument("--form", choices=FORMS, default="library")
   args = p.parse_args()
+  use_form(args.form)
   results = {str(k): probe(k, args.rounds, args.calls) for k in args.k}
   for k, loops in results.items():
     for name, r in sorted(loops.items()):
@@ -67,7 +97,11 @@ def main() -> None:
       print(
         f"k={k} {name:11s} dispatch {d * 1e6:7.1f} us  total {t * 1e6:7.1f} us"
       )
-  print(json.dumps({"machine": machine_info(), "results": results}))
+  print(
+    json.dumps(
+      {"machine": machine_info(), "form": args.form, "results": results}
+    )
+  )
 
 
 if __name__ == "__main__":

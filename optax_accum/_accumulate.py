@@ -806,6 +806,13 @@ def _decide_on_device(
   through (:data:`_control.LATER_BRANCHES_COPY`, before jax 0.11.1): there
   the switch's weightless branch would copy the params and the inner state
   on every call.
+
+  On a GPU, one device, an accumulator below
+  :data:`_control.SELECTS_BELOW_BYTES`: :func:`_decide` with selects in
+  place of its conditionals (``selects=True``), as XLA:GPU compiles
+  ``optax.MultiSteps``' conditional: the inner optimizer runs on every call,
+  which over a small state costs the device less than a conditional costs
+  the host's dispatch.
   """
   shares = _shares_buffer(engine, inner, cycle.acc)
   # (`shares`: the same tree and shapes, so the leaves pair up.)
@@ -817,13 +824,22 @@ def _decide_on_device(
       strict=True,
     )
   )
+  decide = functools.partial(_decide, config, engine, inner, shares=shares)
+  accelerator = decide
   if narrow and cycle.params is not None and not _control.LATER_BRANCHES_COPY:
-    return _per_backend(
-      cycle,
-      cpu=lambda c: _decide(config, engine, inner, c, shares=True),
-      accelerator=lambda c: _apply_inside(config, engine, inner, c),
+    accelerator = functools.partial(_apply_inside, config, engine, inner)
+  small = engine.axis_name is None and (
+    sum(
+      a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(cycle.acc)
     )
-  return _decide(config, engine, inner, cycle, shares=shares)
+    < _control.SELECTS_BELOW_BYTES
+  )
+  return _per_backend(
+    cycle,
+    cpu=decide,
+    accelerator=accelerator,
+    gpu=functools.partial(decide, selects=True) if small else None,
+  )
 
 
 def _decide(
@@ -833,6 +849,7 @@ def _decide(
   cycle: Cycle,
   *,
   shares: bool,
+  selects: bool = False,
 ) -> Result:
   """One conditional decides on the device whether this call ends the
   cycle.
@@ -842,6 +859,9 @@ def _decide(
   :func:`_close` closes the cycle once they are read. Otherwise (another
   tree, a buffer that varies over devices) they get buffers of their own
   and the updating branch zeroes the accumulator and applies them itself.
+  With `selects` (a small state on a GPU, :func:`_decide_on_device`) both
+  branches run and selects keep the one the conditional would have taken:
+  no conditional anywhere in the call.
   """
   # A weightless cycle skips the branch (a NaN total still enters, so that
   # the NaN reaches `inner`). Inside shard_map the global weight is known
@@ -852,8 +872,16 @@ def _decide(
   if config.track_noise_scale and engine.axis_name is None:
     # Measured before the conditional (with axis_name it needs the reduced
     # sum, inside).
-    mean_sq = _control.in_own_conditional(
-      enter, _mean_sq_norm, jnp.zeros([], jnp.float32), cycle.acc, cycle.weight
+    mean_sq = (
+      _mean_sq_norm(cycle.acc, cycle.weight)
+      if selects
+      else _control.in_own_conditional(
+        enter,
+        _mean_sq_norm,
+        jnp.zeros([], jnp.float32),
+        cycle.acc,
+        cycle.weight,
+      )
     )
 
   def update(cycle: Cycle, mean_sq: jax.Array | None) -> Branch:
@@ -880,9 +908,12 @@ def _decide(
     )
 
   hold = functools.partial(_holding, inner, shares=shares)
-  branch = _control.cond(enter, update, hold, cycle, mean_sq)
+  if selects:
+    branch = select(enter, update(cycle, mean_sq), hold(cycle, mean_sq))
+  else:
+    branch = _control.cond(enter, update, hold, cycle, mean_sq)
   if shares:
-    return _close(engine, inner, cycle, branch)
+    return _close(engine, inner, cycle, branch, selects=selects)
   return _applied_in_branch(cycle, branch)
 
 
@@ -1320,12 +1351,22 @@ def _settle(inner_state: optax.OptState, types: Types) -> optax.OptState:
 # fuse and copy around a conditional differently.
 
 
-def _per_backend(*args: Any, cpu: Callable, accelerator: Callable) -> Any:
-  """`cpu(*args)` in a program compiled for CPU, else `accelerator(*args)`.
+def _per_backend(
+  *args: Any,
+  cpu: Callable,
+  accelerator: Callable,
+  gpu: Callable | None = None,
+) -> Any:
+  """`cpu(*args)` in a program compiled for CPU, `gpu(*args)` (where given)
+  in one for a GPU, else `accelerator(*args)`. Branches that are one
+  function are traced once.
 
-  The tests pin this to one form to run the other on CPU.
+  The tests pin this to one form to run the others on CPU.
   """
-  return lax.platform_dependent(*args, cpu=cpu, default=accelerator)
+  branches = {} if cpu is accelerator else {"cpu": cpu}
+  if gpu is not None:
+    branches.update(cuda=gpu, rocm=gpu)
+  return lax.platform_dependent(*args, **branches, default=accelerator)
 
 
 class Closed(NamedTuple):
@@ -1336,7 +1377,14 @@ class Closed(NamedTuple):
   acc_weight: jax.Array
 
 
-def _close(engine: Local, inner: Inner, cycle: Cycle, branch: Branch) -> Result:
+def _close(
+  engine: Local,
+  inner: Inner,
+  cycle: Cycle,
+  branch: Branch,
+  *,
+  selects: bool = False,
+) -> Result:
   """The call's result once the updates the updating branch wrote into the
   accumulator's buffer (`branch.out`) have been read: the updates (exact
   zeros unless updated: a select outside the conditional, which fuses with
@@ -1352,9 +1400,12 @@ def _close(engine: Local, inner: Inner, cycle: Cycle, branch: Branch) -> Result:
     buffer keeps the updates (or a weightless cycle's sum): leftovers, which
     the cycle's weight left beside them at micro_step 0 marks (-inf for a
     weightless cycle: its sum need not be zeros, e.g. mixed-sign weights),
-    and which the next call does not read (:func:`_cycle_start`).
-    Returning the buffer to zeros here costs every micro-step a pass over
-    it (a select after the conditional), or, wherever the caller reads the
+    and which the next call does not read (:func:`_cycle_start`);
+  * with `selects` (a small state on a GPU): the GPU/TPU form's closing
+    branch run on every call, its selects doing what the conditional did.
+
+  On CPU, returning the buffer to zeros here costs every micro-step a pass
+  over it (a select after the conditional), or, wherever the caller reads the
     updates after the step
     (``optax.apply_updates``), a copy of it (a conditional that zeroes it:
     XLA:CPU copies a buffer that a conditional passes through when it is
@@ -1366,13 +1417,16 @@ def _close(engine: Local, inner: Inner, cycle: Cycle, branch: Branch) -> Result:
     updates = jax.tree.map(lambda b, t: b.astype(t.dtype), out, update_types)
     return optax.apply_updates(params, updates)
 
-  def in_conditional(params, out, weight) -> Closed:
-    def close(params, out):
-      if params is not None:  # The select fuses into the update's kernel.
-        params = select(updated, applied(params, out), params)
-      return params, _control.cleared(ends, out, engine)
+  def close(params, out):
+    if params is not None:  # The select fuses into the update's kernel.
+      params = select(updated, applied(params, out), params)
+    return params, _control.cleared(ends, out, engine)
 
-    params, out = _control.cond(ends, close, lambda p, o: (p, o), params, out)
+  def in_conditional(params, out, weight) -> Closed:
+    if selects:
+      params, out = close(params, out)
+    else:
+      params, out = _control.cond(ends, close, lambda p, o: (p, o), params, out)
     return Closed(params, out, jnp.where(ends, 0.0, weight))
 
   def leftovers(params, out, weight) -> Closed:

@@ -221,6 +221,23 @@ def cond(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any):
 LATER_BRANCHES_COPY = not _versions.jax_at_least("0.11.1")
 
 
+#: Below this many bytes of accumulator, a program compiled for a GPU (one
+#: device) decides the end of a cycle with selects, not conditionals
+#: (``_decide(..., selects=True)`` in ``_accumulate.py``). XLA:GPU records a
+#: conditional as a CUDA-graph conditional node, and on an H200 the host's
+#: dispatch of the tiny model's traced step (two of them) took 6-9 µs longer
+#: a call than its ``emit=`` step or ``optax.MultiSteps``' (no conditional:
+#: XLA turns MultiSteps' into selects), 74-84 µs in all
+#: (``benchmarks/results/gpu/2026-11-27-tiny-probe``). Running Adam on every
+#: call instead moves about 7 bytes per accumulator byte (the params,
+#: moments and mean read, three of them written): 7 MiB at this threshold,
+#: about 2 µs at an H100's 3.35 TB/s, below what the conditionals cost; at
+#: 64 MB the conditional wins 1.2-2.8x (``gpu.sh``). Held by
+#: ``tests/test_accelerators.py`` (the tiny step compiled for an H100 has no
+#: conditional, the 64 MiB one keeps it; plant ``selects_everywhere``).
+SELECTS_BELOW_BYTES = 1 << 20
+
+
 def cleared(flag: jax.Array, tree: Any, ops: Any) -> Any:
   """Zeros in place of `tree` where the scalar `flag` is true (in a branch
   that ends a cycle, callers pass a flag that is true where it runs; the CPU

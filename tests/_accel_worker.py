@@ -40,10 +40,10 @@ def _holding_branch_last(pred, true_fun, false_fun, *operands):
   return _control.switch(index, (true_fun, false_fun), *operands)
 
 
-def _cpu_form_everywhere(*args, cpu, accelerator):
+def _cpu_form_everywhere(*args, cpu, accelerator, gpu=None):
   """The CPU form on an accelerator: the add reads the accumulator through a
   select (leftovers not read), which keeps it out of the GEMMs."""
-  del accelerator
+  del accelerator, gpu
   return cpu(*args)
 
 
@@ -109,6 +109,9 @@ def _add_in_branches(config, engine, inner, cycle):
 
 # name -> [(module, attribute, replacement)]
 PLANTS = {
+  # Selects at every size on a GPU, and a conditional at every size.
+  "selects_everywhere": (_control, "SELECTS_BELOW_BYTES", 1 << 62),
+  "conditional_everywhere": (_control, "SELECTS_BELOW_BYTES", 0),
   # The three-branch switch of `_apply_inside` on every jax, 0.10.2's too.
   "switch_on_every_xla": (_control, "LATER_BRANCHES_COPY", False),
   "add_in_branches": [

@@ -43,6 +43,8 @@ def _request(plant=None, **case):
   return {"case": case, "plant": plant}
 
 
+SMALL_WIDTH = 128
+
 # XLA:TPU's compile time grows with the arrays (its memory-space
 # assignment), XLA:GPU's hardly: the TPU cases use 1024-square layers (4 MiB
 # leaves, above the 1 MiB combine threshold of the TPU flags).
@@ -157,6 +159,18 @@ def _requests():
   )
   out["h100/plant/switch_on_every_xla/bf16"] = _request(
     "switch_on_every_xla", target=H100, dtype="bf16", apply="accum"
+  )
+  # Issue 61: a small state on one GPU decides with selects (the tiny
+  # model of the loop benchmark: 4 x 128^2 float32, 256 KiB).
+  for dtype in ("f32", "bf16"):
+    out[f"h100/small/{dtype}"] = _request(
+      target=H100, apply="accum", dtype=dtype, width=SMALL_WIDTH
+    )
+  out["h100/small/f32/plant/conditional_everywhere"] = _request(
+    "conditional_everywhere", target=H100, apply="accum", width=SMALL_WIDTH
+  )
+  out["h100/plant/selects_everywhere"] = _request(
+    "selects_everywhere", target=H100, apply="accum"
   )
   out.update(_gemm_table_requests())
   return out
@@ -777,3 +791,34 @@ def test_hsdp_traced_micro_step_on_h100s_is_the_floor(facts):
 @pytest.mark.parametrize("target", [H100X8, TPU8])
 def test_fsdp_reducing_every_call_fails_the_hsdp_check(facts, target):
   assert reduces_across_replicas_once(facts[f"hsdp/{target}/plant/fsdp"])
+
+
+# ----------------------------------------------------------------------------
+# Issue 61: a small state on a GPU, selects instead of conditionals.
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_a_small_state_on_a_gpu_has_no_conditional(facts, dtype):
+  """Below _control.SELECTS_BELOW_BYTES the GPU program has no conditional
+  (the host dispatches a CUDA-graph conditional node at a cost the small
+  inner optimizer does not have): the inner optimizer runs every call, as
+  in optax.MultiSteps' program. The plant (a conditional at every size)
+  keeps one there."""
+  small = facts[f"h100/small/{dtype}"]
+  assert small["accumulator_bytes"] < _control.SELECTS_BELOW_BYTES
+  assert small["conditionals"] == 0 and small["adam_every_call"]
+  assert small["command_buffer"]["conditionals"] == 0
+  planted = facts["h100/small/f32/plant/conditional_everywhere"]
+  assert inner_only_inside_a_conditional(planted) is None
+
+
+def test_a_large_state_keeps_its_conditional(facts):
+  """Above the threshold the traced step keeps its conditional and its
+  micro-step stays at the floor (the tests above, on 64 MiB); the plant
+  (selects at every size) runs adam on every call there."""
+  large = facts["h100/accum/f32/plain"]
+  assert large["accumulator_bytes"] >= _control.SELECTS_BELOW_BYTES
+  assert inner_only_inside_a_conditional(large) is None
+  planted = facts["h100/plant/selects_everywhere"]
+  assert inner_only_inside_a_conditional(planted) is not None

@@ -133,10 +133,15 @@ def test_gpu_sh_smoke_on_cpu(tmp_path):
 
 def test_tiny_call_probe_splits_dispatch_from_the_whole():
   """benchmarks/tiny_call_probe.py (the GPU page's tiny-model reason): each
-  loop's seconds per call, dispatched and whole, every round."""
-  result = _run("tiny_call_probe", "--rounds", "2", "--calls", "2", "--k", "2")
+  loop's seconds per call, dispatched and whole, every round; here in
+  another program form (--form, for tiny_variants.py)."""
+  result = _run(
+    "tiny_call_probe", "--rounds", "2", "--calls", "2", "--k", "2",
+    "--form", "one_switch",
+  )  # fmt: skip
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   payload = json.loads(result.stdout.strip().splitlines()[-1])
+  assert payload["form"] == "one_switch"
   loops = payload["results"]["2"]
   assert sorted(loops) == sorted(
     ["readme", "bare", "static", "multisteps", "floor"]
@@ -145,6 +150,21 @@ def test_tiny_call_probe_splits_dispatch_from_the_whole():
     assert len(r["dispatch_s"]) == len(r["total_s"]) == 2
     pairs = zip(r["dispatch_s"], r["total_s"], strict=True)
     assert all(0 < d <= t for d, t in pairs)
+
+
+def test_tiny_variants_runs_the_probe_under_xla_flags(tmp_path):
+  """benchmarks/tiny_variants.py (issue 61's GPU experiment): each variant
+  a probe run of its own, with its XLA flags, its output kept."""
+  variant = "conditionals, not in command buffers"
+  result = _run(
+    "tiny_variants", str(tmp_path), "--variants", variant,
+    "--rounds", "1", "--calls", "2", "--k", "2",
+  )  # fmt: skip
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  saved = json.loads((tmp_path / "tiny_variants.json").read_text())
+  assert saved[variant]["form"] == "conditionals"
+  assert set(saved[variant]["results"]["2"]) >= {"bare", "multisteps"}
+  assert f"{variant}" in result.stdout and "us per call" in result.stdout
 
 
 def test_bench_comm_counts_deferred_traffic(run_once):

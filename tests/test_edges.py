@@ -218,8 +218,11 @@ def test_every_k_1_passes_extra_arguments_to_inner(maybe_jit, where):
 # ---------------------------------------------------------------------------
 
 FORMS = {
-  "cpu": lambda *args, cpu, accelerator: cpu(*args),
-  "accelerator": lambda *args, cpu, accelerator: accelerator(*args),
+  "cpu": lambda *args, cpu, accelerator, gpu=None: cpu(*args),
+  "accelerator": lambda *args, cpu, accelerator, gpu=None: accelerator(*args),
+  # A GPU's program of a small state: selects, no conditional (the GPU/TPU
+  # form where the code has no GPU form of its own).
+  "gpu": lambda *args, cpu, accelerator, gpu=None: (gpu or accelerator)(*args),
 }
 # Shared: the updates are written into the accumulator's buffer; own: a
 # bfloat16 accumulator cannot hold float32 updates, they get buffers of

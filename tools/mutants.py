@@ -777,6 +777,42 @@ MUTANTS += [
 ]
 
 MUTANTS += [
+  # -- Selects for a small state on a GPU (issue 61 item 2). ---------------
+  _m(
+    "gpu selects keep a weightless end's update",
+    "_accumulate.py",
+    "    branch = select(enter, update(cycle, mean_sq), hold(cycle, mean_sq))",
+    "    branch = select(cycle.ends, update(cycle, mean_sq), hold(cycle, mean_sq))",
+    [FORMS, "-k", "same_run"],
+    "a small model on a GPU: a cycle of weight 0 steps Adam",
+  ),
+  _m(
+    "gpu selects never close the cycle",
+    "_accumulate.py",
+    "      params, out = close(params, out)",
+    "      pass",
+    [FORMS, "-k", "same_run"],
+    "a small model on a GPU: the params never move, the sum never cleared",
+  ),
+  _m(
+    "gpu selects at every size",
+    "_control.py",
+    "SELECTS_BELOW_BYTES = 1 << 20",
+    "SELECTS_BELOW_BYTES = 1 << 40",
+    ["tests/test_accelerators.py", "-k", "keeps_its_conditional"],
+    "a 64 MB model on a GPU runs Adam on every micro-step",
+  ),
+  _m(
+    "gpu conditionals at every size",
+    "_control.py",
+    "SELECTS_BELOW_BYTES = 1 << 20",
+    "SELECTS_BELOW_BYTES = 1 << 10",
+    ["tests/test_accelerators.py", "-k", "small_state_on_a_gpu"],
+    "a tiny model on a GPU pays two conditionals' dispatch on every call",
+  ),
+]
+
+MUTANTS += [
   # -- The program form chosen by the XLA installed (issue 60). -------------
   _m(
     "bf16 switch on an XLA that copies it",

@@ -113,11 +113,12 @@ class Optimizer(nnx.Optimizer):
     """As ``nnx.Optimizer``'s: the optimizer state of `tx` for the
     Variables of `model` that `wrt` selects (required, as there)."""
     params = nnx.state(model, wrt, graph=graph)
+    specs = _leaf_specs(tx, params)
     self.graph = graph
     self.step = nnx.OptState(jnp.array(0, dtype=jnp.uint32))
     self.tx = tx
     self.opt_state = OptStateTree(
-      tx.init(nnx.to_pure_dict(params)), leaf_specs=_leaf_specs(tx, params)
+      _on_the_mesh(tx.init(nnx.to_pure_dict(params)), specs), leaf_specs=specs
     )
     self.wrt = wrt
 
@@ -327,6 +328,26 @@ def _leaf_specs(tx: Any, params: Any) -> Any:
   )
   flat = [s.get_value() if isinstance(s, nnx.Variable) else s for s in flat]
   return jax.tree.unflatten(jax.tree.structure(stored), flat)
+
+
+def _on_the_mesh(state: Any, specs: Any) -> Any:
+  """`state` with the leaves that carry no mesh (jax gives none to a scalar
+  made under ``jax.set_mesh``, e.g. Adam's count) put on the mesh in use
+  with their spec, as ``nnx.eval_shape`` puts the stock class's Variables:
+  a step compiled over the mesh then takes them as its own."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return state
+  explicit = all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+  def place(x, spec):
+    if not jax.typeof(x).sharding.mesh.empty:
+      return x
+    if explicit:
+      return jax.sharding.reshard(x, spec)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+  return jax.tree.map(place, state, specs)
 
 
 def get_partition_spec(tree: Any) -> Any:
