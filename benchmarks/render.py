@@ -74,9 +74,14 @@ REASONS = {
   ),
   "NNX, nnx.jit": (
     "`nnx.jit` walks the model and the optimizer in Python on every call"
-    " (flax's graph traversal, 0.7 ms a call here for both): at a small"
-    " model that is the loop, for ours and `nnx.Optimizer(MultiSteps)`"
-    " alike, whose states have as many leaves (a tie)."
+    " (flax's graph traversal): at a small model that is the loop. The"
+    " drop-in's state is one Variable since issue 61, where"
+    " `nnx.Optimizer(MultiSteps)` keeps one per leaf."
+  ),
+  "jax.jit, emit=@tiny": (
+    "where it ties, at k=2 on the tiny model: one round of the five fell"
+    " below 1 (0.95), the other four 1.10-1.33; a call there is bound by the"
+    " host, whose noise scatters the rounds."
   ),
 }
 # The same, on a GPU (``gpu.sh``; the closing note of issue 52).
