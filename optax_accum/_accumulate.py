@@ -1363,10 +1363,16 @@ def _per_backend(
 
   The tests pin this to one form to run the others on CPU.
   """
-  branches = {} if cpu is accelerator else {"cpu": cpu}
+  forms = [accelerator] + ([] if cpu is accelerator else [cpu])
+  forms += [] if gpu is None else [gpu]
+  if len(forms) > 1:  # Inside shard_map: the forms' outputs typed alike.
+    forms = _control.varying_alike(forms, *args)
+  branches = {"default": forms[0]}
+  if cpu is not accelerator:
+    branches["cpu"] = forms[1]
   if gpu is not None:
-    branches.update(cuda=gpu, rocm=gpu)
-  return lax.platform_dependent(*args, **branches, default=accelerator)
+    branches["cuda"] = branches["rocm"] = forms[-1]
+  return lax.platform_dependent(*args, **branches)
 
 
 class Closed(NamedTuple):

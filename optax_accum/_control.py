@@ -79,8 +79,17 @@ def switch(index: Any, branches: Sequence[Callable], *operands: Any):
   When no operand varies (outside ``shard_map``, under ``vmap``) this is
   plain ``lax.switch`` and the branches are not traced twice.
   """
+  return lax.switch(index, varying_alike(branches, *operands), *operands)
+
+
+def varying_alike(branches: Sequence[Callable], *operands: Any) -> list:
+  """`branches`, each marking its outputs as varying over the union of the
+  axes the branches' outputs vary over, so that their output types agree
+  (a conditional needs that, and so does ``lax.platform_dependent``); as
+  they are where no operand varies (outside ``shard_map``, under ``vmap``),
+  so that they are not traced twice."""
   if not any(varying_axes(jax.typeof(x)) for x in jax.tree.leaves(operands)):
-    return lax.switch(index, branches, *operands)
+    return list(branches)
   out_types = [jax.eval_shape(f, *operands) for f in branches]
   axes = jax.tree.map(
     lambda *types: frozenset().union(*map(varying_axes, types)), *out_types
@@ -92,7 +101,7 @@ def switch(index: Any, branches: Sequence[Callable], *operands: Any):
 
     return unified
 
-  return lax.switch(index, [unify(f) for f in branches], *operands)
+  return [unify(f) for f in branches]
 
 
 # ----------------------------------------------------------------------------
@@ -202,7 +211,8 @@ def cond(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any):
   ``holding_branch_last``).
   """
   index = jnp.asarray(pred).astype(jnp.int32)
-  return switch(index, (false_fun, true_fun), *operands)
+  branches = varying_alike((false_fun, true_fun), *operands)
+  return lax.switch(index, branches, *operands)
 
 
 #: Whether this jax's XLA copies what a conditional's branch other than
