@@ -1,6 +1,6 @@
 # make test  : create .venv (the newest Python, see below), install the package
-#              with its test extras, run the suite, then test-py311 and
-#              test-oldest
+#              with its test extras, run the suite, with test-py311 and
+#              test-oldest beside it
 # make demo  : same set-up, then run the main example
 # make bench : same set-up, then run the benchmark suite (never part of `make test`)
 # make docs  : same set-up, then build the site into docs/_build/html
@@ -31,7 +31,7 @@ PY := $(VENV)/bin/python
 # Named after the Python, so that a venv of another Python is made anew.
 STAMP := $(VENV)/.installed-$(notdir $(PYTHON))
 
-.PHONY: test test-oldest test-py311 python-note demo bench docs docs-check lint clean mutants
+.PHONY: test test-main test-oldest test-py311 python-note demo bench docs docs-check lint clean mutants
 
 # Installs into a venv (1: the venv, 2: pip's arguments) with uv, from the
 # package index like pip, which it resolves, downloads and unpacks in
@@ -86,24 +86,23 @@ lint: $(STAMP)
 # (tests/_accel_server.py), whatever modules it gets.
 PYTEST_WORKERS ?= 2
 
-# Then the core on Python 3.11 (test-py311) and on the oldest supported
-# stack (test-oldest), both below, with two workers too. From a fresh clone
-# on the quiet 2-core box (`CI=true bash .ci/run`, 2026-11-27, jax
-# 0.12.0.1): 17 min 12 s in all; the main suite 770 s, test-py311 110 s
-# and test-oldest 72 s to run, each with an empty compilation cache; the
-# installs, lint and docs about 80 s together. The main suite is bound by
-# its CPU work, not by how it is spread over the workers: about 1,380 CPU s
-# on 2 cores, of which 613 s XLA:CPU compiles (3,146 programs compiled,
-# 3,485 more read back from the run's cache), 236 s the accelerator compile
-# servers (197 programs) and 241 s subprocesses (examples, benchmark
-# smokes); balanced over the workers (no reorder: 697 and 680 CPU s) it
-# ran in 762 s.
-# Where the time goes: tools/suite_stats.py.
-# The site first (docs, below: about 15 s; measured on 2 shared cores).
-test: python-note $(STAMP) $(ACCEL_STAMP) lint docs
+# Then the core on Python 3.11 (test-py311, with its own compilers) and on
+# the oldest supported stack (test-oldest), both below. The three runs go
+# side by side (make -j3, each run's output printed whole when it ends):
+# every run is bound by its CPU work, and one alone leaves a core idle at
+# its start (installs, imports) and its end (its last module), which the
+# others fill; the legs' venvs install while the main venv's do. Each run
+# has two workers. Where the time goes: tools/suite_stats.py (the main
+# suite on 2026-11-29, empty caches, the quiet 2-core box: about 920 CPU s,
+# of which 430 s XLA:CPU compiles, 170 s the accelerator compile servers and
+# 130 s subprocesses; test-py311 about 250 CPU s, test-oldest about 95).
+test: python-note
+	@$(MAKE) --no-print-directory -j3 --output-sync=recurse test-main test-py311 test-oldest
+	@$(MAKE) --no-print-directory python-note
+
+# The main suite alone (the site first: docs, below, about 15 s).
+test-main: $(STAMP) $(ACCEL_STAMP) lint docs
 	OPTAX_ACCUM_ACCEL=$(abspath $(ACCEL)) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=30
-	$(MAKE) --no-print-directory test-py311
-	$(MAKE) --no-print-directory test-oldest python-note
 
 # The core on the oldest stack optax_accum supports (constraints/oldest.txt:
 # jax 0.7.1, optax 0.2.4), in a venv of its own. The package is not

@@ -62,23 +62,38 @@ def run_once(tmp_path_factory):
   def run(script):
     if script not in runs:
       out_dir = tmp_path_factory.mktemp(script)
-      out = (
-        ["--out", str(out_dir / "loop.json")]
-        if script == "bench_loop"
-        else [
-          "--out",
-          str(out_dir),
-        ]
-      )
-      result = _run(script, *SCRIPTS[script], *out)
+      if script == "bench_loop":  # as benchmarks/gpu.sh runs it, on CPU
+        result = _gpu_sh(out_dir)
+      else:
+        result = _run(script, *SCRIPTS[script], "--out", str(out_dir))
       runs[script] = (result, out_dir)
     result, out_dir = runs[script]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    name = "loop" if script == "bench_loop" else script
-    assert sorted(p.name for p in out_dir.iterdir()) == [f"{name}.json"]
-    return json.loads((out_dir / f"{name}.json").read_text())
+    if script == "bench_loop":
+      assert sorted(p.name for p in out_dir.iterdir()) == [
+        "gpu.log",
+        "loop.json",
+      ]
+      return json.loads((out_dir / "loop.json").read_text())
+    assert sorted(p.name for p in out_dir.iterdir()) == [f"{script}.json"]
+    return json.loads((out_dir / f"{script}.json").read_text())
 
+  run.folder = lambda script: runs[script][1]  # where the run wrote
   return run
+
+
+def _gpu_sh(out_dir):
+  """benchmarks/gpu.sh's CPU smoke run (bench_loop.py --preset smoke)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHON=sys.executable)
+  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+  return subprocess.run(
+    ["bash", str(BENCHMARKS / "gpu.sh"), str(out_dir), "--smoke"],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=600,
+    check=False,
+  )
 
 
 @pytest.mark.parametrize("script", list(SCRIPTS))
@@ -113,22 +128,13 @@ def test_bench_loop_times_every_loop_and_checks_its_steps(run_once):
   assert set(steps.values()) == {calls // k}
 
 
-def test_gpu_sh_smoke_on_cpu(tmp_path):
-  """benchmarks/gpu.sh's CPU smoke run: the loop results and its log."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHON=sys.executable)
-  result = subprocess.run(
-    ["bash", str(BENCHMARKS / "gpu.sh"), str(tmp_path), "--smoke"],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=600,
-    check=False,
-  )
-  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu.log", "loop.json"]
-  payload = json.loads((tmp_path / "loop.json").read_text())
+def test_gpu_sh_smoke_on_cpu(run_once):
+  """benchmarks/gpu.sh's CPU smoke run (the one the tests above read): the
+  loop results and its log."""
+  payload = run_once("bench_loop")
   assert payload["args"]["preset"] == "smoke" and payload["configs"]
-  assert "gpu.sh: exit 0" in (tmp_path / "gpu.log").read_text()
+  log = run_once.folder("bench_loop") / "gpu.log"
+  assert "gpu.sh: exit 0" in log.read_text()
 
 
 def test_tiny_call_probe_splits_dispatch_from_the_whole():
