@@ -76,6 +76,8 @@ from optax_accum._state import AccumulateState, NoiseScaleState
 EveryK = int | Callable[..., Any] | _every_k.GrowEveryK
 # What `reduction=` and `gradients=` take (checked at construction too).
 MeanOrSum = Literal["mean", "sum"]
+# What `rounding=` takes.
+Rounding = Literal["nearest", "stochastic"]
 # The noise-scale sums, or optax.EmptyState() when not tracked.
 Noise = NoiseScaleState | optax.EmptyState
 # A tree of types (jax.ShapeDtypeStruct leaves, from jax.eval_shape).
@@ -102,6 +104,7 @@ class Config:
   noise_scale_decay: float
   gradients: MeanOrSum  # what each gradient is over its weight
   reduce_dtype: jnp.dtype | None
+  rounding: Rounding  # of each add into a bfloat16 accumulator
 
 
 @_checks.names_multisteps_arguments
@@ -117,6 +120,7 @@ def accumulate(
   noise_scale_decay: float = _noise_scale.DEFAULT_DECAY,
   gradients: MeanOrSum = "mean",
   reduce_dtype: jax.typing.DTypeLike | None = None,
+  rounding: Rounding = "nearest",
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates gradients over ``every_k`` micro-batches, then runs ``inner``.
 
@@ -214,6 +218,18 @@ def accumulate(
     reduce_dtype: With ``axis_name``, the dtype in which the accumulated
       gradient crosses devices once per cycle (``None``: the
       accumulator's); ``jnp.bfloat16`` halves the bytes reduced.
+    rounding: How each add into a ``jnp.bfloat16`` accumulator is rounded:
+      ``"nearest"`` (the default, as any bfloat16 add), or
+      ``"stochastic"`` (with ``accumulator_dtype=jnp.bfloat16`` only):
+      the sum is taken in float32 and rounded up or down with probability
+      proportional to the distance, so that the accumulator's expectation
+      is the exact sum; the small gradients that round to nearest drops
+      against a large running sum ("swamping") count on average. The
+      random bits are a hash of the call's place in the run (``step``,
+      ``micro_step``), each element's position and, with ``axis_name``,
+      the device: nothing to pass, the same with and without ``jit``, and
+      a checkpoint resumed mid-cycle goes on bit for bit. Not with
+      gradients typed unreduced under plain ``jit`` (an error says so).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` is
@@ -264,6 +280,9 @@ def accumulate(
     ),
     gradients=gradients,
     reduce_dtype=_checks.reduce_dtype(reduce_dtype, axis_name),
+    rounding=_checks.rounding(
+      rounding, _checks.accumulator_dtype(accumulator_dtype)
+    ),
   )
   # `init` is `partial(_init, config)`: `config_of` reads the configuration
   # back from it (optax_accum.multisteps.restore_target builds the state of
@@ -374,8 +393,12 @@ def add_term(
   ops: Local = LOCAL,
   weight: jax.Array | None = None,
   keep: jax.Array | None = None,
+  key: jax.Array | None = None,
 ) -> jax.Array:
-  """``acc + keep * weight * value``, computed in :func:`compute_dtype`.
+  """``acc + keep * weight * value``, computed in :func:`compute_dtype`
+  and rounded to `acc`'s dtype: to nearest, or, given a `key`,
+  stochastically (a bfloat16 `acc`, :func:`_control.to_bfloat16_stochastically`
+  with the bits of :func:`_control.random_bits`).
 
   Every select sits on the term's side, with a scalar predicate: compiled
   for GPU, XLA then fuses the add into the GEMM that makes `value` (it
@@ -391,6 +414,8 @@ def add_term(
       arrays need their own forms).
     weight: A scalar to multiply `value` by, or None.
     keep: A scalar bool: whether the term counts, or None (always).
+    key: A uint32 scalar that picks the random bits of a stochastic
+      rounding, or None (round to nearest).
   """
   compute = compute_dtype(acc.dtype)
   term = jnp.asarray(value).astype(compute)
@@ -398,7 +423,11 @@ def add_term(
     term = ops.scale(term, weight)
   if keep is not None:
     term = ops.select(keep, term, ops.zero(term))
-  return (acc.astype(compute) + term).astype(acc.dtype)
+  total = acc.astype(compute) + term
+  if key is None:
+    return total.astype(acc.dtype)
+  bits = _control.random_bits(total.shape, key)
+  return _control.to_bfloat16_stochastically(total, bits)
 
 
 # ----------------------------------------------------------------------------
@@ -636,13 +665,16 @@ def _add(
   # gradients="sum" without skip_nonfinite: the gradient carries its weight
   # already; adding it as is, with no select, lets every GEMM backend fuse
   # the add (cuBLAS only with no scale).
-  acc = jax.tree.map(
-    lambda a, g: add_term(
-      a, g, ops=engine, weight=weight if scale else None, keep=keep
-    ),
-    start,
-    grads,
-  )
+  term = dict(ops=engine, weight=weight if scale else None, keep=keep)
+  if config.rounding == "stochastic":
+    acc = jax.tree.map(
+      lambda a, g, key: add_term(a, g, **term, key=key),
+      start,
+      grads,
+      _rounding_keys(engine, state, start),
+    )
+  else:
+    acc = jax.tree.map(lambda a, g: add_term(a, g, **term), start, grads)
   micro_step = state.micro_step + accepted.astype(jnp.int32)
   cycle = Cycle(
     acc=acc,
@@ -666,6 +698,26 @@ def _add(
     params=params,
   )
   return cycle, accepted
+
+
+def _rounding_keys(
+  engine: Local, state: _state_lib.Values, acc: optax.Updates
+) -> optax.Updates:
+  """Each accumulator leaf's key for this call's stochastic rounding: the
+  add's place in the run (the optimizer step, the micro-batch within its
+  cycle), the leaf and the device, mixed (:func:`_control.random_bits`
+  hashes each element's position with it). A call that does not change the
+  accumulator (a dropped micro-batch) leaves its key to the next."""
+  u32 = functools.partial(jnp.asarray, dtype=jnp.uint32)
+  key = (
+    state.step.astype(jnp.uint32) * u32(0x9E3779B9)
+    ^ state.micro_step.astype(jnp.uint32) * u32(0x85EBCA6B)
+    ^ engine.device_index() * u32(0xC2B2AE35)
+  )
+  leaves, treedef = jax.tree.flatten(acc)
+  return jax.tree.unflatten(
+    treedef, [key + u32(0x27D4EB2F) * u32(i + 1) for i in range(len(leaves))]
+  )
 
 
 def _cycle_start(

@@ -194,6 +194,22 @@ def options(reduction: Any, axis_name: Any, gradients: Any) -> None:
     )
 
 
+ROUNDINGS = ("nearest", "stochastic")
+
+
+def rounding(value: Any, accumulator_dtype: Any) -> str:
+  """`rounding` as given, where it fits the accumulator; raises naming it."""
+  if value not in ROUNDINGS:
+    raise ValueError(f"`rounding` must be one of {ROUNDINGS}, got {value!r}.")
+  if value == "stochastic" and accumulator_dtype != jnp.bfloat16:
+    raise ValueError(
+      "`rounding='stochastic'` rounds each add into a bfloat16 accumulator:"
+      " pass accumulator_dtype=jnp.bfloat16 with it (got accumulator_dtype="
+      f"{accumulator_dtype}, whose adds it would not round)."
+    )
+  return value
+
+
 def reduce_dtype(value: Any, axis_name: Any) -> Any:
   """`reduce_dtype` as a floating dtype or None; raises naming it."""
   if value is None:

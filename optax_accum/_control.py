@@ -23,6 +23,7 @@ Three parts:
 """
 
 import dataclasses
+import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, ClassVar
 
@@ -171,6 +172,11 @@ class Local:
       return jnp.zeros(param.shape, dtype, device=device)
     return jnp.zeros_like(param, dtype=dtype)
 
+  def device_index(self) -> jax.Array:
+    """This device's index among those that sum over `axis_name` (uint32;
+    here 0): what keeps each device's stochastic rounding its own."""
+    return jnp.zeros([], jnp.uint32)
+
   def agree(self, reduce: Callable, flag: jax.Array) -> jax.Array:
     """`flag` the same on every device of the step (here: itself)."""
     del reduce
@@ -246,6 +252,37 @@ LATER_BRANCHES_COPY = not _versions.jax_at_least("0.11.1")
 #: ``tests/test_accelerators.py`` (the tiny step compiled for an H100 has no
 #: conditional, the 64 MiB one keeps it; plant ``selects_everywhere``).
 SELECTS_BELOW_BYTES = 1 << 20
+
+
+def random_bits(shape: Sequence[int], key: jax.Array) -> jax.Array:
+  """uint32 bits for each element of an array of `shape`: a counter-based
+  hash of the element's position and `key` (Wellons' lowbias32), computed
+  where it is used (it fuses into the add), the same under ``jit`` and
+  eagerly, on every backend."""
+  size = math.prod(shape)
+  position = lax.iota(jnp.uint32, size).reshape(shape)
+  return _mix(position ^ _mix(key.astype(jnp.uint32)))
+
+
+def _mix(x: jax.Array) -> jax.Array:
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x7FEB352D)
+  x = x ^ (x >> 15)
+  x = x * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
+def to_bfloat16_stochastically(x: jax.Array, bits: jax.Array) -> jax.Array:
+  """float32 `x` rounded to bfloat16 up or down (in magnitude) with
+  probability proportional to the distance, so that its expectation is `x`:
+  the 16 bits bfloat16 drops, plus 16 random ones, carry into the kept
+  bits or not. NaN stays NaN (its bits could wrap around); a value that
+  rounds up past bfloat16's largest becomes Inf, as rounding does."""
+  kept = jnp.uint32(0xFFFF0000)
+  u = lax.bitcast_convert_type(x, jnp.uint32)
+  u = (u + (bits & jnp.uint32(0xFFFF))) & kept
+  rounded = lax.bitcast_convert_type(u, jnp.float32).astype(jnp.bfloat16)
+  return jnp.where(jnp.isnan(x), x.astype(jnp.bfloat16), rounded)
 
 
 def cleared(flag: jax.Array, tree: Any, ops: Any) -> Any:

@@ -38,6 +38,9 @@ class ShardMap(Local):
 
   global_weight: ClassVar[bool] = False
 
+  def device_index(self) -> jax.Array:
+    return lax.axis_index(self.axis_name).astype(jnp.uint32)
+
   def agree(self, reduce: Callable, flag: jax.Array) -> jax.Array:
     """`flag` reduced with `reduce` (``lax.pmin``, ``lax.pmax``) over
     `axis_name` and every other manual axis it varies over: replicas must
@@ -105,6 +108,16 @@ class Unreduced(Local):
 
   def zeros_like_param(self, param, dtype):
     return _unreduced.unreduced_zeros_like(param, self.axis_name, dtype)
+
+  def device_index(self):
+    # Rounding is not linear, and an unreduced array takes linear ops only.
+    raise NotImplementedError(
+      "`rounding='stochastic'` with gradients typed unreduced under plain"
+      " jit (axis_name an explicit mesh axis) is not supported: each"
+      " device's bfloat16 sum would be rounded, which an unreduced array"
+      " cannot be. Accumulate inside shard_map (axis_name bound), or in"
+      " float32."
+    )
 
   def reduce(self, acc, scalars, *, per_leaf, specs):
     del per_leaf  # The weight and the noise sums are global already.

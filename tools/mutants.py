@@ -812,6 +812,27 @@ MUTANTS += [
   ),
 ]
 
+SR = "tests/test_stochastic_rounding.py"
+MUTANTS += [
+  # -- A bfloat16 accumulator rounded stochastically (issue 62). -----------
+  _m(
+    "stochastic rounding rounds to nearest",
+    "_accumulate.py",
+    "  if key is None:\n    return total.astype(acc.dtype)",
+    "  if True:\n    return total.astype(acc.dtype)",
+    [SR, "-k", "unbiased"],
+    "rounding='stochastic': small gradients lost against a large sum",
+  ),
+  _m(
+    "stochastic rounding bits the same on every device",
+    "_accumulate.py",
+    "    ^ engine.device_index() * u32(0xC2B2AE35)\n",
+    "",
+    [SR, "-k", "mesh"],
+    "rounding='stochastic' under shard_map: every device rounds alike",
+  ),
+]
+
 MUTANTS += [
   # -- The program form chosen by the XLA installed (issue 60). -------------
   _m(
