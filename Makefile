@@ -1,6 +1,6 @@
 # make test  : create .venv (the newest Python, see below), install the package
-#              with its test extras, run the suite, with test-py311 and
-#              test-oldest beside it
+#              with its test extras, run the suite, then test-py311 and
+#              test-oldest
 # make demo  : same set-up, then run the main example
 # make bench : same set-up, then run the benchmark suite (never part of `make test`)
 # make docs  : same set-up, then build the site into docs/_build/html
@@ -87,18 +87,17 @@ lint: $(STAMP)
 PYTEST_WORKERS ?= 2
 
 # Then the core on Python 3.11 (test-py311, with its own compilers) and on
-# the oldest supported stack (test-oldest), both below. The three runs go
-# side by side (make -j3, each run's output printed whole when it ends):
-# every run is bound by its CPU work, and one alone leaves a core idle at
-# its start (installs, imports) and its end (its last module), which the
-# others fill; the legs' venvs install while the main venv's do. Each run
-# has two workers. Where the time goes: tools/suite_stats.py (the main
-# suite on 2026-11-29, empty caches, the quiet 2-core box: about 920 CPU s,
-# of which 430 s XLA:CPU compiles, 170 s the accelerator compile servers and
-# 130 s subprocesses; test-py311 about 250 CPU s, test-oldest about 95).
-test: python-note
-	@$(MAKE) --no-print-directory -j3 --output-sync=recurse test-main test-py311 test-oldest
-	@$(MAKE) --no-print-directory python-note
+# the oldest supported stack (test-oldest), both below, with two workers
+# too. Where the time goes: tools/suite_stats.py (the main suite on
+# 2026-11-29, empty caches, the quiet 2-core box: about 920 CPU s, of which
+# 430 s XLA:CPU compiles, 170 s the accelerator compile servers and 130 s
+# subprocesses; test-py311 about 250 CPU s, test-oldest about 95). Run side
+# by side (make -j3) the three took longer, not shorter, and one main-suite
+# worker died in jax's persistent-cache write (a segmentation fault, not
+# seen run alone): they run one after the other.
+test: python-note test-main
+	$(MAKE) --no-print-directory test-py311
+	$(MAKE) --no-print-directory test-oldest python-note
 
 # The main suite alone (the site first: docs, below, about 15 s).
 test-main: $(STAMP) $(ACCEL_STAMP) lint docs
