@@ -91,10 +91,11 @@ PYTEST_WORKERS ?= 2
 # too. Where the time goes: tools/suite_stats.py (the main suite on
 # 2026-11-29, empty caches, the quiet 2-core box: about 920 CPU s, of which
 # 430 s XLA:CPU compiles, 170 s the accelerator compile servers and 130 s
-# subprocesses; test-py311 about 250 CPU s, test-oldest about 95). Run side
-# by side (make -j3) the three took longer, not shorter, and one main-suite
-# worker died in jax's persistent-cache write (a segmentation fault, not
-# seen run alone): they run one after the other.
+# subprocesses; test-py311 about 250 CPU s, test-oldest about 95). Tried
+# side by side (make -j3, 2026-11-29): no sooner done on 2 cores, every run
+# being bound by its CPU, and one main-suite worker died in jax's
+# persistent-cache write under that load (a segmentation fault, not seen
+# with the runs one after the other): they run one after the other.
 test: python-note test-main
 	$(MAKE) --no-print-directory test-py311
 	$(MAKE) --no-print-directory test-oldest python-note
