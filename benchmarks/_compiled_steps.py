@@ -96,6 +96,10 @@ class Case:
     xla: a name of :data:`XLA_OPTIONS`, compiler options to add.
     inner: the inner optimizer, ``"adam"`` or ``"clip_adamw"``
       (``chain(clip_by_global_norm(1), adamw)``).
+    accumulator: ``""`` (float32, the default) or ``"bf16"``:
+      ``accumulate(accumulator_dtype=)``.
+    rounding: ``accumulate(rounding=)``, ``"nearest"`` or ``"stochastic"``
+      (with a bf16 accumulator).
   """
 
   target: str = "h100"
@@ -112,6 +116,8 @@ class Case:
   reduce_dtype: str = ""
   xla: str = ""
   inner: str = "adam"
+  accumulator: str = ""
+  rounding: str = "nearest"
   k: int = 8
   width: int = 2048
   layers: int = 4
@@ -129,6 +135,8 @@ class Case:
     parts += [f"{self.reduce_dtype}-wire"] if self.reduce_dtype else []
     parts += [self.xla] if self.xla else []
     parts += [self.inner] if self.inner != "adam" else []
+    parts += [f"{self.accumulator}-accumulator"] if self.accumulator else []
+    parts += ["stochastic"] if self.rounding == "stochastic" else []
     return "-".join(parts)
 
 
@@ -199,7 +207,8 @@ def param_bytes(case: Case) -> int:
 
 
 def accumulator_bytes(case: Case) -> int:
-  return case.layers * case.width**2 * 4
+  itemsize = jnp.dtype(DTYPES[case.accumulator or "f32"]).itemsize
+  return case.layers * case.width**2 * itemsize
 
 
 def _transformation(case: Case):
@@ -223,6 +232,8 @@ def _transformation(case: Case):
     axis_name=axis,
     gradients=case.gradients,
     reduce_dtype=DTYPES[case.reduce_dtype] if case.reduce_dtype else None,
+    accumulator_dtype=DTYPES[case.accumulator or "f32"],
+    rounding=case.rounding,
   )
 
 

@@ -172,6 +172,12 @@ def _requests():
   out["h100/plant/selects_everywhere"] = _request(
     "selects_everywhere", target=H100, apply="accum"
   )
+  # Issue 62: a bf16 accumulator rounded to nearest and stochastically.
+  for rounding in ("nearest", "stochastic"):
+    out[f"h100/bf16-accumulator/{rounding}"] = _request(
+      target=H100, apply="accum", dtype="bf16", accumulator="bf16",
+      rounding=rounding,
+    )  # fmt: skip
   out.update(_gemm_table_requests())
   return out
 
@@ -822,3 +828,32 @@ def test_a_large_state_keeps_its_conditional(facts):
   assert inner_only_inside_a_conditional(large) is None
   planted = facts["h100/plant/selects_everywhere"]
   assert inner_only_inside_a_conditional(planted) is not None
+
+
+# ----------------------------------------------------------------------------
+# Issue 62: a bfloat16 accumulator rounded stochastically.
+# ----------------------------------------------------------------------------
+
+
+def test_stochastic_rounding_costs_no_memory_and_about_no_bytes(facts):
+  """bf16 params, a bf16 accumulator, on one H100: rounded stochastically
+  (the random bits hashed where they are used), the step's footprint is
+  rounding to nearest's (half the float32 accumulator's step), its
+  micro-step moves at most 1.05x the bytes and copies nothing
+  parameter-sized."""
+  nearest = facts["h100/bf16-accumulator/nearest"]
+  stochastic = facts["h100/bf16-accumulator/stochastic"]
+  assert stochastic["accumulator_bytes"] == 2048 * 2048 * 2 * 4
+  # The same buffers but for a few scalars (jax 0.12.0.1: 1 KiB more).
+  extra = stochastic["memory"]["footprint"] - nearest["memory"]["footprint"]
+  assert 0 <= extra <= 64 * 1024, extra
+  # Half the float32 accumulator's memory (bf16 params, adam, the same step).
+  saved = (
+    facts["h100/accum/bf16/plain"]["memory"]["footprint"]
+    - (stochastic["memory"]["footprint"])
+  )
+  assert abs(saved - stochastic["accumulator_bytes"]) <= 64 * 1024, saved
+  ratio = stochastic["bytes"]["micro-step"] / nearest["bytes"]["micro-step"]
+  assert ratio <= 1.05, ratio
+  assert no_copies_on_a_micro_step(stochastic) is None
+  assert inner_only_inside_a_conditional(stochastic) is None

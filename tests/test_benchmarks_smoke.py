@@ -173,6 +173,22 @@ def test_tiny_variants_runs_the_probe_under_xla_flags(tmp_path):
   assert f"{variant}" in result.stdout and "us per call" in result.stdout
 
 
+def test_bench_rounding_shows_the_bias_of_rounding_to_nearest(tmp_path):
+  """benchmarks/bench_rounding.py at a tiny size: swamping loses every small
+  gradient rounded to nearest, and about none stochastically."""
+  result = _run(
+    "bench_rounding", "--ks", "8", "--elements", "4096", "--out", str(tmp_path)
+  )
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  payload = json.loads((tmp_path / "bench_rounding.json").read_text())
+  by = {(r["case"], r["accumulator"]): r for r in payload["rows"]}
+  assert abs(by["swamping", "bfloat16, nearest"]["mean_error"] + 0.8) < 1e-3
+  stochastic = by["swamping", "bfloat16, stochastic"]
+  assert abs(stochastic["mean_error"]) < 4 * stochastic["standard_error"]
+  names = sorted(p.name for p in tmp_path.iterdir())
+  assert names == [f"bench_rounding.{x}" for x in ("json", "md", "png")]
+
+
 def test_bench_comm_counts_deferred_traffic(run_once):
   """Payload per optimizer step grows with k when every micro-batch is
   reduced, and stays at one gradient with `axis_name` (under shard_map or

@@ -50,6 +50,7 @@ _LM_MODULES = (
   "report",
   "planning",
   "main",
+  "accumulator_dtype",
 )
 
 
@@ -72,6 +73,7 @@ def import_lm() -> types.SimpleNamespace:
     train=modules["train"],
     main=modules["main"],
     planning=modules["planning"],
+    accumulator_dtype=modules["accumulator_dtype"],
   )
 
 
@@ -300,6 +302,25 @@ def test_wire_dtype_bfloat16_changes_the_run_a_little(tmp_path):
   assert 0 < row["max_abs_params_diff"] < 1e-2
   assert abs(row["heldout"]["bfloat16"] - row["heldout"]["float32"]) < 1e-2
   assert "| 0 |" in (tmp_path / "wire_dtype.md").read_text()
+
+
+def test_accumulator_dtype_runs_each_accumulator_from_one_start(lm, tmp_path):
+  """examples/lm/accumulator_dtype.py at a tiny size: each accumulator's
+  run from the same initialization on the same data, close to the float32
+  run and not equal to it (the accumulator's dtype reaches the add), its
+  table and its plot."""
+  payload = lm.accumulator_dtype.main(
+    ["--steps", "2", "--ks", "2", "--seeds", "0", "--out", str(tmp_path)]
+  )
+  runs = payload["runs"]["2"]
+  assert list(runs) == list(lm.accumulator_dtype.ACCUMULATORS)
+  first = {name: r[0]["losses"][0] for name, r in runs.items()}
+  assert len(set(first.values())) == 1  # the same start
+  f32 = runs["float32"][0]["heldout"]
+  for name in ("bfloat16, nearest", "bfloat16, stochastic"):
+    assert 0 < abs(runs[name][0]["heldout"] - f32) < 1e-3, name
+  names = sorted(p.name for p in tmp_path.iterdir())
+  assert names == [f"accumulator_dtype.{x}" for x in ("json", "md", "png")]
 
 
 def test_the_demo_plans_its_model(lm, tiny_cfg):

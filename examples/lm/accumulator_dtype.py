@@ -52,7 +52,10 @@ def run(cfg: Config, data, accumulator: str) -> dict:
 
   dtype, rounding = ACCUMULATORS[accumulator]
   schedule = optax.warmup_cosine_decay_schedule(
-    0.0, cfg.learning_rate, cfg.warmup_steps, decay_steps=cfg.steps
+    0.0,
+    cfg.learning_rate,
+    cfg.warmup_steps,
+    decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
   )
   inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
   tx = optax_accum.accumulate(
@@ -88,7 +91,7 @@ def markdown(payload: dict) -> str:
     cells = []
     for name in ACCUMULATORS:
       h = [r["heldout"] for r in runs[name]]
-      cells.append(f"{statistics.median(h):.4f} ({min(h):.4f}-{max(h):.4f})")
+      cells.append(f"{statistics.median(h):.5f} ({min(h):.5f}-{max(h):.5f})")
     lines.append(f"| {k} | " + " | ".join(cells) + " |")
   lines += ["", "Per seed, bfloat16 minus float32 (held-out loss):", ""]
   lines += ["| k | seed | nearest | stochastic |", "|---|---|---|---|"]
@@ -97,33 +100,39 @@ def markdown(payload: dict) -> str:
       base = runs["float32"][i]["heldout"]
       near = runs["bfloat16, nearest"][i]["heldout"] - base
       sto = runs["bfloat16, stochastic"][i]["heldout"] - base
-      lines.append(f"| {k} | {seed} | {near:+.4f} | {sto:+.4f} |")
+      lines.append(f"| {k} | {seed} | {near:+.1e} | {sto:+.1e} |")
   return "\n".join(lines) + "\n"
 
 
 def plot(payload: dict, path: pathlib.Path) -> None:
+  """Per k: the loss curves (top), and each bfloat16 run's loss minus its
+  seed's float32 run's (bottom: the curves above overlap)."""
   import matplotlib  # noqa: PLC0415
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
 
   ks = list(payload["runs"])
-  fig, axes = plt.subplots(1, len(ks), figsize=(6 * len(ks), 4), squeeze=False)
+  fig, axes = plt.subplots(
+    2, len(ks), figsize=(6 * len(ks), 7), squeeze=False, sharex=True
+  )
   colors = dict(zip(ACCUMULATORS, ("C0", "C3", "C2"), strict=True))
-  for ax, k in zip(axes[0], ks, strict=True):
+  for col, k in enumerate(ks):
+    runs = payload["runs"][k]
+    top, bottom = axes[0][col], axes[1][col]
     for name in ACCUMULATORS:
-      for i, r in enumerate(payload["runs"][k][name]):
-        ax.plot(
-          r["losses"],
-          color=colors[name],
-          alpha=0.7,
-          lw=1,
-          label=name if i == 0 else None,
-        )
-    ax.set_title(f"k = {k}")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (big batch)")
-    ax.legend()
+      for i, r in enumerate(runs[name]):
+        label = name if i == 0 else None
+        top.plot(r["losses"], color=colors[name], alpha=0.7, lw=1, label=label)
+        if name != "float32":
+          diff = np.subtract(r["losses"], runs["float32"][i]["losses"])
+          bottom.plot(diff, color=colors[name], alpha=0.7, lw=1, label=label)
+    top.set_title(f"k = {k}")
+    top.set_ylabel("training loss (big batch)")
+    bottom.set_ylabel("minus the float32 run's")
+    bottom.set_xlabel("optimizer step")
+    top.legend()
+    bottom.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=110)
 
@@ -157,8 +166,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
       for name in ACCUMULATORS:
         runs[name].append(run(cfg, data, name))
         print(
-          f"k={k} seed {seed} {name}: held-out"
-          f" {runs[name][-1]['heldout']:.4f}",
+          f"k={k} seed {seed} {name}: held-out {runs[name][-1]['heldout']:.4f}",
           flush=True,
         )
     payload["runs"][str(k)] = runs
