@@ -569,9 +569,9 @@ MUTANTS += [
   _m(
     "a narrow accumulator rounds each term too",
     "_accumulate.py",
-    "  return (acc.astype(compute) + term).astype(acc.dtype)",
+    "  total = acc.astype(compute) + term\n",
     "  term = term.astype(acc.dtype).astype(compute)\n"
-    "  return (acc.astype(compute) + term).astype(acc.dtype)",
+    "  total = acc.astype(compute) + term\n",
     ["tests/test_dtypes.py", "-k", "narrow"],
     "bf16/f16 sums rounded twice per add: other sums than one rounding",
   ),
