@@ -143,12 +143,12 @@ def test_updates_of_another_trace_are_applied_and_named():
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)
   update = jax.jit(lambda g, s, p: tx.update(g, s, p))
-  apply = jax.jit(optax_accum.apply_updates)
   with pytest.warns(UserWarning, match=FOREIGN) as record:
     for g in (1.0, 3.0):
       updates, state = update({"w": jnp.full(2, g)}, state, params)
+      # A fresh function each time: traced anew, the misuse met again.
+      apply = jax.jit(lambda p, u, s: optax_accum.apply_updates(p, u, s))
       params = apply(params, updates, state)
-      apply = jax.jit(optax_accum.apply_updates)  # traced anew: said once
   assert len(record) == 1, [str(w.message) for w in record]
   np.testing.assert_array_equal(params["w"], [-2.0, -2.0])
 

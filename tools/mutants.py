@@ -746,6 +746,51 @@ MUTANTS += [
   ),
 ]
 
+INPUTS = "tests/test_inputs_and_states.py"
+MUTANTS += [
+  # -- Issue 63: inputs, states and warnings no test held. -----------------
+  _m(
+    "emit takes only a Python bool",
+    "_checks.py",
+    "    if not isinstance(emit, bool | np.bool_):",
+    "    if not isinstance(emit, bool):",
+    [INPUTS, "-k", "numpy_bool"],
+    "update(..., emit=np.bool_(True)) raises a TypeError",
+  ),
+  _m(
+    "an abstract state reads weight_seen as a scalar",
+    "_state.py",
+    "    width = () if isinstance(index, int) else (index.stop - index.start,)",
+    "    width = ()",
+    [INPUTS, "-k", "abstract"],
+    "jax.eval_shape(tx.init, params).weight_seen has shape () not (2,)",
+  ),
+  _m(
+    "holds exactly compares mantissas only",
+    "_accumulate.py",
+    "  return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp",
+    "  return w.nmant >= n.nmant",
+    [INPUTS, "-k", "narrower_range"],
+    "a float16 accumulator, bf16 gradient 1e6, k=1: -999424, not -inf",
+  ),
+  _m(
+    "the inverse weight in the narrowest dtype",
+    "_accumulate.py",
+    "    key=lambda d: d.itemsize,",
+    "    key=lambda d: -d.itemsize,",
+    [INPUTS, "-k", "two_float_widths"],
+    "x64, float32 and float64 leaves: the float64 mean 5.6e-9 off",
+  ),
+  _m(
+    "apply_updates warns on every trace",
+    "_apply.py",
+    "  if why in _WARNED:\n    return\n",
+    "",
+    ["tests/test_apply_updates.py", "-k", "another_trace"],
+    "the slow-route warning said on every trace, not once per misuse",
+  ),
+]
+
 NNX_STATE = "tests/test_nnx_state.py"
 MUTANTS += [
   # -- The NNX drop-in's state as one Variable (issue 61). ------------------
