@@ -249,6 +249,15 @@ class AccumulateState(NamedTuple):
       current = {name: getattr(self, name) for name in _NAMED}
       # As stored, not as read: a mark beside leftovers stays.
       current["acc_weight"] = _entry(self.acc_scalars, 0)
+      if "acc_weight" in named and "acc_grads" not in values:
+        # Where no cycle is open the weight reads 0 whatever is stored,
+        # and what is stored may mark leftovers in the buffer, which stays:
+        # the mark too (written with the buffer, the weight is the one
+        # given).
+        is_open = jnp.asarray(named.get("micro_step", current["micro_step"]))
+        named["acc_weight"] = jnp.where(
+          is_open > 0, named["acc_weight"], current["acc_weight"]
+        )
       values.update(pack(**{**current, **named}))
     return self._replace(**values)
 

@@ -25,6 +25,7 @@ import flax.nnx as nnx
 import flax.serialization
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -505,3 +506,66 @@ def test_to_multisteps_of_a_cycle_thrown_away_holds_no_sum(monkeypatch):
     chex.assert_trees_all_equal(
       ms.acc_grads, jax.tree.map(jnp.zeros_like, ms.acc_grads)
     )
+
+
+# Every name `replace` takes that a reader reads back (issue 63).
+NAMES = (
+  "micro_step",
+  "step",
+  "every_k",
+  "num_skipped",
+  "emitted",
+  "weight_seen",
+  "acc_weight",
+  "acc_grads",
+  "acc_buffer",
+)
+
+
+def _read(state):
+  return {name: getattr(state, name) for name in NAMES}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_replace_with_what_a_name_reads_changes_nothing(monkeypatch, form):
+  """A state written back with what each name reads, after every call of a
+  run in every backend form (cycle ends among them, where a CPU program
+  leaves marked leftovers), reads the same by every name and gives the
+  same next call, resumed in the other forms too (plant: `replace`
+  writes the stored weight as it reads, dropping the mark)."""
+  params = _common.params()
+  rng = np.random.default_rng(0)
+  calls = [
+    dict(weight=float(rng.integers(0, 3)), emit=e)
+    for e in (None, None, True, None, None, None, False, True, None)
+  ]
+  _pin(monkeypatch, form)
+  tx = optax_accum.accumulate(optax.adam(0.1), 3)
+  state = tx.init(params)
+  for i, call in enumerate(calls):
+    options = {k: v for k, v in call.items() if v is not None}
+    _, state = jax.jit(tx.update, static_argnames="emit")(
+      _common.grads(i), state, params, **options
+    )
+    for name in NAMES:
+      written = state.replace(**{name: getattr(state, name)})
+      read, before = _read(written), _read(state)
+      if name == "acc_grads":  # the buffer as stored holds what was written
+        del read["acc_buffer"], before["acc_buffer"]
+      chex.assert_trees_all_equal(read, before)
+      for later in FORMS:  # the next call, in every form
+        _pin(monkeypatch, later)
+        tx_later = optax_accum.accumulate(optax.adam(0.1), 3)
+        a = jax.jit(tx_later.update)(_common.grads(99), state, params)
+        b = jax.jit(tx_later.update)(_common.grads(99), written, params)
+        chex.assert_trees_all_equal(a[0], b[0])
+        read, before = _read(b[1]), _read(a[1])
+        if name == "acc_grads" and later != "cpu":
+          # A CPU program's leftovers, overwritten by what acc_grads reads
+          # (zeros), differ in a cycle the GPU/TPU form throws away (its
+          # sum is never read): the counters and updates do not.
+          for buffer in ("acc_grads", "acc_buffer"):
+            del read[buffer], before[buffer]
+        chex.assert_trees_all_equal(read, before)
+      _pin(monkeypatch, form)
+    tx = optax_accum.accumulate(optax.adam(0.1), 3)

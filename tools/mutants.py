@@ -782,6 +782,24 @@ MUTANTS += [
     "x64, float32 and float64 leaves: the float64 mean 5.6e-9 off",
   ),
   _m(
+    "replace writes the stored weight as it reads",
+    "_state.py",
+    '      current["acc_weight"] = _entry(self.acc_scalars, 0)\n',
+    "",
+    [FORMS, "-k", "replace_with and cpu"],
+    "state.replace(step=state.step) after a CPU cycle's end: acc_grads reads"
+    " the leftovers; resumed on a GPU, a wrong update",
+  ),
+  _m(
+    "replace(acc_weight=) drops the mark beside leftovers",
+    "_state.py",
+    '      if "acc_weight" in named and "acc_grads" not in values:',
+    "      if False:",
+    [FORMS, "-k", "replace_with and cpu"],
+    "state.replace(acc_weight=state.acc_weight) after a CPU cycle's end:"
+    " acc_grads reads the last cycle's updates",
+  ),
+  _m(
     "apply_updates warns on every trace",
     "_apply.py",
     "  if why in _WARNED:\n    return\n",
