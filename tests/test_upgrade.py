@@ -126,6 +126,38 @@ def test_linen_train_state_converts_as_it_restores(name):
   _assert_continues_as_v0_2(name, restored.opt_state)
 
 
+def test_linen_train_state_converts_a_chain_as_it_restores():
+  """A 0.2 checkpoint of a TrainState whose tx is chain(clip, accumulate),
+  mid-cycle: the restore finds the 0.2 state inside the chain and converts
+  it, the clip's state as saved (plant: the 0.2 state looked for only at
+  the top of opt_state)."""
+  tx = optax.chain(
+    optax.clip_by_global_norm(1.0), optax_accum.accumulate(optax.adam(0.1), 3)
+  )
+  params = jnp.zeros(2)
+  state = optax_accum.flax.TrainState.create(
+    apply_fn=None, params=params, tx=tx
+  )
+  for g in (1.0, 2.0, 4.0, 8.0):  # a cycle, and one call into the next
+    state = state.apply_gradients(grads=jnp.full(2, g))
+  saved = flax.serialization.to_state_dict(state)
+  saved["opt_state"] = flax.serialization.to_state_dict(
+    upgrade.to_v0_2(state.opt_state)
+  )
+  fresh = optax_accum.flax.TrainState.create(
+    apply_fn=None, params=params, tx=tx
+  )
+  restored = flax.serialization.from_bytes(
+    fresh, flax.serialization.msgpack_serialize(saved)
+  )
+  chex.assert_trees_all_equal(restored.opt_state, state.opt_state)
+  assert int(restored.opt_state[1].micro_step) == 1
+  chex.assert_trees_all_equal(
+    restored.apply_gradients(grads=jnp.ones(2)).params,
+    state.apply_gradients(grads=jnp.ones(2)).params,
+  )
+
+
 def test_a_chain_keeps_its_other_parts_as_saved():
   tx = optax.chain(
     optax.add_noise(0.1, 0.5, 0),

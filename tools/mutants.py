@@ -800,6 +800,17 @@ MUTANTS += [
     " acc_grads reads the last cycle's updates",
   ),
   _m(
+    "a 0.2 TrainState looked for only at the top of opt_state",
+    "flax/_linen.py",
+    "  return _V0_2_KEYS <= state_dict.keys() or any(\n"
+    "    _holds_v0_2(v) for v in state_dict.values()\n"
+    "  )",
+    "  return _V0_2_KEYS <= state_dict.keys()",
+    ["tests/test_upgrade.py", "-k", "converts_a_chain"],
+    "a 0.2 checkpoint of TrainState(tx=chain(clip, accumulate)): flax's"
+    " 'field names do not match' instead of a conversion",
+  ),
+  _m(
     "apply_updates warns on every trace",
     "_apply.py",
     "  if why in _WARNED:\n    return\n",
