@@ -105,3 +105,86 @@ def test_a_tree_of_two_float_widths_keeps_each_leafs_precision():
     np.testing.assert_array_equal(np.asarray(updates["b"]), -exact)
     assert updates["b"].dtype == jnp.float64
     np.testing.assert_array_equal(np.asarray(updates["a"]), updates_a)
+
+
+# The call's keywords as a user may pass them: Python, NumPy, 0-d arrays.
+KEYWORDS = {
+  "weight": (2.0, [2, np.float32(2.0), np.float64(2.0), np.array(2.0)]),
+  "flush": (True, [np.bool_(True), np.array(True), jnp.asarray(True)]),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["nojit", "jit"])
+@pytest.mark.parametrize("keyword", list(KEYWORDS))
+def test_every_form_of_a_keyword_gives_the_python_values_run(keyword, jit):
+  """``weight=`` and ``flush=`` as Python, NumPy or 0-d array values: the
+  same updates and state as the Python value (plant of this family:
+  ``flush`` taken as a flag only when it is a Python bool)."""
+  python, others = KEYWORDS[keyword]
+  tx = optax_accum.accumulate(optax.adam(0.1), 3)
+  params = jnp.zeros(2)
+  update = jax.jit(tx.update) if jit else tx.update
+
+  def run(value):
+    state = tx.init(params)
+    _, state = update(jnp.ones(2), state, params)
+    out = update(jnp.full(2, 3.0), state, params, **{keyword: value})
+    return jax.tree.map(np.asarray, out)
+
+  want = run(python)
+  for value in others:
+    got = run(value)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_array_equal(a, b, f"{keyword}={value!r}")
+
+
+MIXED = {
+  "f32": jnp.float32,
+  "bf16": jnp.bfloat16,
+  "f16": jnp.float16,
+  "c64": jnp.complex64,
+}
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
+@pytest.mark.parametrize("accumulator_dtype", [None, jnp.float32])
+def test_a_mixed_dtype_tree_is_each_leaf_accumulated_alone(
+  accumulator_dtype, x64
+):
+  """A params tree of float32, bfloat16, float16 and complex64 leaves, with
+  weights and a cycle end: each leaf's updates and accumulator equal, bit
+  for bit, that leaf accumulated alone in the same dtype (plant of this
+  family: the mean's inverse taken in the narrowest dtype)."""
+  with jax.enable_x64(x64):
+    _mixed_leaf_by_leaf(accumulator_dtype, x64)
+
+
+def _mixed_leaf_by_leaf(accumulator_dtype, x64):
+  mixed = dict(MIXED, f64=jnp.float64, c128=jnp.complex128) if x64 else MIXED
+  params = {n: jnp.zeros(3, d) for n, d in mixed.items()}
+  grads = [
+    {
+      n: jnp.asarray(np.linspace(-1, 1, 3) * (i + 1) / 7, d)
+      for n, d in mixed.items()
+    }
+    for i in range(5)
+  ]
+  weights = [1.0, 0.5, 2.0, 1.0, 3.0]
+
+  def run(params, grads):
+    tx = optax_accum.accumulate(
+      optax.sgd(0.3), 3, accumulator_dtype=accumulator_dtype
+    )
+    state, out = tx.init(params), []
+    update = jax.jit(tx.update)
+    for g, w in zip(grads, weights, strict=True):
+      updates, state = update(g, state, params, weight=w)
+      out.append((updates, state.acc_grads))
+    return out
+
+  together = run(params, grads)
+  for name in mixed:
+    alone = run(params[name], [g[name] for g in grads])
+    for (u, a), (v, b) in zip(together, alone, strict=True):
+      np.testing.assert_array_equal(np.asarray(u[name]), np.asarray(v), name)
+      np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b), name)

@@ -758,6 +758,14 @@ MUTANTS += [
     "update(..., emit=np.bool_(True)) raises a TypeError",
   ),
   _m(
+    "flush taken only as a Python bool or an array",
+    "_checks.py",
+    "      jnp.result_type(flush) == jnp.bool_ and jnp.ndim(flush) == 0",
+    "      isinstance(flush, bool | jax.Array) and jnp.ndim(flush) == 0",
+    [INPUTS, "-k", "every_form_of_a_keyword"],
+    "update(..., flush=np.bool_(True)) raises a TypeError",
+  ),
+  _m(
     "an abstract state reads weight_seen as a scalar",
     "_state.py",
     "    width = () if isinstance(index, int) else (index.stop - index.start,)",
