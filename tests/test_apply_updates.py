@@ -238,3 +238,41 @@ def test_several_accumulate_states_name_the_function():
   params = {"w": jnp.ones(2)}
   with pytest.raises(ValueError, match="`apply_updates`"):
     optax_accum.apply_updates(params, params, tx.init(params))
+
+
+def _misused(misuse):
+  """A fresh jitted step (traced anew each time) that applies updates by
+  `misuse`: foreign updates (scaled after accumulate), no params given to
+  the update, or other params than those it was given."""
+  tx = optax_accum.accumulate(optax.sgd(1.0), 2)
+  params = {"w": jnp.zeros(2)}
+
+  def step(params, state):
+    given = None if misuse == "no_params" else params
+    updates, state = tx.update({"w": jnp.ones(2)}, state, given)
+    if misuse == "foreign":
+      updates = jax.tree.map(lambda u: 0.5 * u, updates)
+    target = {"w": params["w"] + 1.0} if misuse == "other" else params
+    return optax_accum.apply_updates(target, updates, state)
+
+  return lambda: jax.jit(step)(params, tx.init(params))
+
+
+MISUSES = {"foreign": FOREIGN, "no_params": NO_PARAMS, "other": OTHER_PARAMS}
+
+
+def test_each_misuse_is_said_once_per_process_with_its_fix():
+  """The slow-route warning as documented: each misuse's own text the
+  first time it is met, nothing the second time (a fresh trace of the same
+  misuse), and another misuse still said (plant: a warning on every
+  trace)."""
+  said = []
+  for misuse in (*MISUSES, *MISUSES):  # every misuse twice
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      _misused(misuse)()
+    said += [(misuse, str(w.message)) for w in caught]
+  assert [m for m, _ in said] == list(MISUSES)
+  for misuse, message in said:
+    assert MISUSES[misuse] in message, (misuse, message)
+    assert message.startswith("optax_accum.apply_updates returns the right")
