@@ -195,18 +195,48 @@ def run_folder(tmp_path_factory) -> pathlib.Path:
   return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
+# The accelerator targets a run compiles for: all of them, or, with
+# OPTAX_ACCUM_ACCEL_SCOPE=one_h100 (make test-py311: the older jax's leg),
+# one H100 only; tests/conftest.py then deselects the tests of several
+# devices, and the compile workers skip their programs.
+ONE_H100 = os.environ.get("OPTAX_ACCUM_ACCEL_SCOPE") == "one_h100"
+# What names a program of several devices: targets, engines, recipes.
+MULTI_DEVICE = (
+  "h100x8",
+  "v5e_2x2",
+  "v5e_2x4",
+  "hsdp",
+  "shard_map",
+  "unreduced",
+  "nnx_data_parallel",
+  "jit_unreduced",
+  "scaling_shard_map_py",
+)
+
+
+def of_several_devices(name: str) -> bool:
+  """Whether a request key, target, engine or recipe name is a program
+  for several devices."""
+  return name.split("/")[0] in MULTI_DEVICE or any(
+    part in MULTI_DEVICE for part in name.split("/")[1:2]
+  )
+
+
 @functools.cache
-def recipes_on_accelerators(shared: pathlib.Path) -> dict:
+def recipes_on_accelerators(shared: pathlib.Path, recipes=None) -> dict:
   """Every documented recipe compiled for one H100 and 8 H100s, clean and
   planted (``tests/_recipes_accel_worker.py``), once per test run:
   ``{"plant/recipe/dtype": facts}``. tests/test_recipes.py and
   tests/test_check_step.py both read it; under pytest-xdist they may sit
   on two workers, which share `shared` (:func:`run_folder`): the first
-  computes it, the other waits for it there."""
+  computes it, the other waits for it there. `recipes`: their names, where
+  not all (:data:`ONE_H100`)."""
   path = shared / "recipes_on_accelerators.json"
   with open(path.with_suffix(".lock"), "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not path.exists():
-      worker = REPO / "tests" / "_recipes_accel_worker.py"
-      path.write_text(run_with_compilers([worker]).strip().splitlines()[-1])
+      argv = [REPO / "tests" / "_recipes_accel_worker.py"]
+      if recipes is not None:
+        argv += ["--recipes", ",".join(recipes)]
+      path.write_text(run_with_compilers(argv).strip().splitlines()[-1])
   return json.loads(path.read_text())

@@ -155,8 +155,29 @@ LONGEST_FIRST = (
 )
 
 
+def _of_several_devices(item) -> bool:
+  """A test of a program for several devices: marked so, or a parameter
+  naming such a target, engine, recipe or request (``_common``)."""
+  import _common  # noqa: PLC0415
+
+  if item.get_closest_marker("multi_device"):
+    return True
+  params = getattr(getattr(item, "callspec", None), "params", {})
+  return any(
+    isinstance(v, str) and _common.of_several_devices(v)
+    for v in params.values()
+  )
+
+
 def pytest_collection_modifyitems(config, items):
-  del config
+  import _common  # noqa: PLC0415
+
+  if _common.ONE_H100:  # make test-py311: one H100's programs only
+    accel = ("test_accelerators.py", "test_recipes.py")
+    drop = [i for i in items if i.path.name in accel and _of_several_devices(i)]
+    if drop:
+      config.hook.pytest_deselected(items=drop)
+      items[:] = [i for i in items if i not in set(drop)]
   # A stable sort: each module's tests keep their order.
   rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -46,7 +46,10 @@ MEMORY_MISSES: set = set()
 
 @pytest.fixture(scope="module")
 def recipes(tmp_path_factory):
-  return _common.recipes_on_accelerators(_common.run_folder(tmp_path_factory))
+  return _common.recipes_on_accelerators(
+    _common.run_folder(tmp_path_factory),
+    tuple(SINGLE) if _common.ONE_H100 else None,
+  )
 
 
 def misses(facts: dict, clean: dict) -> list[str]:
