@@ -18,6 +18,20 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
+# Every name an AccumulateState reads by, and `replace` writes by, but the
+# noise scale's and the controller's records.
+STATE_READERS = (
+  "micro_step",
+  "step",
+  "every_k",
+  "num_skipped",
+  "emitted",
+  "weight_seen",
+  "acc_weight",
+  "acc_grads",
+  "acc_buffer",
+)
+
 # Every behaviour runs eagerly and under jit (the `maybe_jit` fixture).
 MODES = {"nojit": lambda f: f, "jit": jax.jit}
 

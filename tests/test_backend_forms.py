@@ -509,17 +509,7 @@ def test_to_multisteps_of_a_cycle_thrown_away_holds_no_sum(monkeypatch):
 
 
 # Every name `replace` takes that a reader reads back (issue 63).
-NAMES = (
-  "micro_step",
-  "step",
-  "every_k",
-  "num_skipped",
-  "emitted",
-  "weight_seen",
-  "acc_weight",
-  "acc_grads",
-  "acc_buffer",
-)
+NAMES = _common.STATE_READERS
 
 
 def _read(state):

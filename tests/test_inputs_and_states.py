@@ -4,6 +4,7 @@ wider mantissa has the narrower range, and a params tree of two float
 widths under x64. Each test's docstring names the plant it catches
 (``tools/mutants.py``)."""
 
+import _common
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,19 +37,7 @@ STATES = {
   "noise": dict(every_k=2, track_noise_scale=True),
   "grow": dict(every_k=optax_accum.grow_every_k(8), track_noise_scale=True),
 }
-READERS = (
-  "micro_step",
-  "step",
-  "every_k",
-  "num_skipped",
-  "emitted",
-  "weight_seen",
-  "acc_weight",
-  "acc_grads",
-  "acc_buffer",
-  "noise",
-  "grow",
-)
+READERS = (*_common.STATE_READERS, "noise", "grow")
 
 
 @pytest.mark.parametrize("kind", list(STATES))

@@ -37,7 +37,7 @@ import optax_accum
 from config import Config
 from input_pipeline import load_data, step_batch
 from models import TransformerLM
-from train import fast, heldout_loss, micro_step, run_steps
+from train import fast, heldout_loss, inner_optimizer, micro_step, run_steps
 
 HERE = pathlib.Path(__file__).resolve().parent
 ACCUMULATORS = {
@@ -51,15 +51,11 @@ def run(cfg: Config, data, accumulator: str) -> dict:
   from flax import nnx  # noqa: PLC0415
 
   dtype, rounding = ACCUMULATORS[accumulator]
-  schedule = optax.warmup_cosine_decay_schedule(
-    0.0,
-    cfg.learning_rate,
-    cfg.warmup_steps,
-    decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
-  )
-  inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
   tx = optax_accum.accumulate(
-    inner, cfg.every_k, accumulator_dtype=dtype, rounding=rounding
+    inner_optimizer(cfg),
+    cfg.every_k,
+    accumulator_dtype=dtype,
+    rounding=rounding,
   )
   model = TransformerLM(cfg, rngs=nnx.Rngs(cfg.seed))
   optimizer = optax_accum.flax.Optimizer(model, tx, wrt=nnx.Param)

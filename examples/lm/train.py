@@ -43,6 +43,19 @@ LOSS_ATOL = 1e-4
 PARAMS_ATOL = 1e-4
 
 
+def inner_optimizer(cfg: Config) -> optax.GradientTransformation:
+  """The optimizer every run steps once per cycle: clipping, then Adam on
+  a warmup-cosine schedule. The schedule lives inside it, so that it
+  advances once per optimizer step in every run."""
+  schedule = optax.warmup_cosine_decay_schedule(
+    0.0,
+    cfg.learning_rate,
+    cfg.warmup_steps,
+    decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
+  )
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
+
+
 @functools.cache
 def make_tx(cfg: Config, mode: str) -> optax.GradientTransformation:
   """The optimizer of `mode`, built once per configuration.
@@ -53,15 +66,7 @@ def make_tx(cfg: Config, mode: str) -> optax.GradientTransformation:
   """
   if mode not in MODES:
     raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}.")
-  # The schedule lives inside the inner optimizer, so it advances once per
-  # optimizer step in all three runs.
-  schedule = optax.warmup_cosine_decay_schedule(
-    0.0,
-    cfg.learning_rate,
-    cfg.warmup_steps,
-    decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
-  )
-  inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
+  inner = inner_optimizer(cfg)
   if mode == "reference":
     return inner
   return optax_accum.accumulate(
