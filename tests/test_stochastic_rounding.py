@@ -240,3 +240,40 @@ def test_unreduced_gradients_under_plain_jit_are_refused_by_name():
 
   with pytest.raises(NotImplementedError, match="rounding='stochastic'"):
     _engines.Unreduced(axis_name="data").device_index()
+
+
+def test_the_planner_counts_the_smaller_accumulator():
+  """plan_micro_batch compiles the step: with bfloat16 params and a
+  bfloat16 accumulator (stochastic rounding), its peak is half a float32
+  accumulator's bytes below the float32 one's, and under a limit between
+  the two the same global batch fits a larger micro-batch. (With float32
+  params the float32 updates cannot share a bfloat16 accumulator's buffer
+  and take one of their own: less is saved.)"""
+  params = {"w": jnp.zeros((512, 512), jnp.bfloat16)}
+
+  def plan(accumulator_dtype, rounding, limit):
+    tx = optax_accum.accumulate(
+      optax.sgd(1e-3), 4, accumulator_dtype=accumulator_dtype, rounding=rounding
+    )
+
+    def step(params, state, x):
+      grads = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"])))(params)
+      updates, state = tx.update(grads, state, params)
+      return optax_accum.apply_updates(params, updates, state), state
+
+    def args_for(n):
+      state = jax.eval_shape(tx.init, params)
+      return params, state, jax.ShapeDtypeStruct((n, 512), jnp.bfloat16)
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    return optax_accum.plan_micro_batch(step, args_for, 64, memory_limit=limit)
+
+  f32 = plan(jnp.float32, "nearest", 1 << 30)
+  bf16 = plan(jnp.bfloat16, "stochastic", 1 << 30)
+  assert f32.micro_batch == bf16.micro_batch == 64
+  half = 512 * 512 * 2  # bytes a bfloat16 accumulator saves over float32
+  assert abs(f32.peak_bytes - bf16.peak_bytes - half) <= 64 * 1024
+  # A limit the float32 step's peak at 64 does not fit but bfloat16's does.
+  limit = int((bf16.peak_bytes + half // 2) / 0.9)
+  assert plan(jnp.bfloat16, "stochastic", limit).micro_batch == 64
+  assert plan(jnp.float32, "nearest", limit).micro_batch < 64
