@@ -54,6 +54,7 @@ INNERS: dict[str, Callable[[], optax.GradientTransformation]] = {
 
 VARIANTS = (
   "readme",
+  "readme_bf16_stochastic",
   "bare",
   "static",
   "multisteps",
@@ -118,8 +119,14 @@ def _multisteps(problem: Problem) -> optax.GradientTransformation:
   ).gradient_transformation()
 
 
-def _ours(problem: Problem) -> optax.GradientTransformationExtraArgs:
-  return optax_accum.accumulate(problem.inner(), every_k=problem.k)
+def _ours(
+  problem: Problem, **options: Any
+) -> optax.GradientTransformationExtraArgs:
+  return optax_accum.accumulate(problem.inner(), every_k=problem.k, **options)
+
+
+# The README's loop with a bfloat16 accumulator rounded stochastically.
+BF16_STOCHASTIC = dict(accumulator_dtype=jnp.bfloat16, rounding="stochastic")
 
 
 # ----------------------------------------------------------------------------
@@ -196,9 +203,14 @@ def jit_loops(problem: Problem, names: set[str]) -> dict[str, JitLoop]:
   out = {}
   for name in names:
     params = _copy(problem.params)
-    tx = _multisteps(problem) if name == "multisteps" else _ours(problem)
+    if name == "multisteps":
+      tx = _multisteps(problem)
+    elif name == "readme_bf16_stochastic":
+      tx = _ours(problem, **BF16_STOCHASTIC)
+    else:
+      tx = _ours(problem)
     state = (params, tx.init(params))
-    if name in ("readme", "bare"):
+    if name in ("readme", "bare", "readme_bf16_stochastic"):
       step = readme_step(loss, tx, rows)
       out[name] = JitLoop(
         step, state, problem.batch, k, log_every=LOG_EVERY * (name == "readme")
@@ -418,7 +430,11 @@ def build(problem: Problem, names: set[str]) -> dict[str, Any]:
   """The loops of `names` for `problem`, each with its memory figures."""
   loops: dict[str, Any] = {}
   loops.update(
-    jit_loops(problem, names & {"readme", "bare", "static", "multisteps"})
+    jit_loops(
+      problem,
+      names
+      & {"readme", "bare", "static", "multisteps", "readme_bf16_stochastic"},
+    )
   )
   if "floor" in names:
     loops["floor"] = floor_loop(problem)

@@ -15,6 +15,11 @@ PAIRS = (
 )
 REFERENCES = (
   ("README loop / its bare step", "readme", "bare"),
+  (
+    "README loop, bf16 stochastic accumulator / float32 accumulator",
+    "readme_bf16_stochastic",
+    "readme",
+  ),
   ("bare step / floor", "bare", "floor"),
   ("bare step / one big batch", "bare", "big_batch"),
 )

@@ -63,6 +63,7 @@ PRESETS: dict[str, list[tuple]] = {
       [4],
       [
         "readme",
+        "readme_bf16_stochastic",
         "bare",
         "static",
         "multisteps",
