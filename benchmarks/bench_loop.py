@@ -84,6 +84,7 @@ PRESETS: dict[str, list[tuple]] = {
       [8],
       [
         "readme",
+        "readme_bf16_stochastic",
         "static",
         "multisteps",
         "nnx_fast",
