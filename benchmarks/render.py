@@ -79,9 +79,9 @@ REASONS = {
     " `nnx.Optimizer(MultiSteps)` keeps one per leaf."
   ),
   "jax.jit, emit=@tiny": (
-    "where it ties, at k=2 on the tiny model: one round of the five fell"
-    " below 1 (0.95), the other four 1.10-1.33; a call there is bound by the"
-    " host, whose noise scatters the rounds."
+    "where it ties, at the tiny model: a call there is bound by the host,"
+    " whose noise scatters the rounds (in the run of 2026-11-29 at 01:15,"
+    " one round of five at k=2 fell below 1, 0.95, the others 1.10-1.33)."
   ),
 }
 # The same, on a GPU (``gpu.sh``; the closing note of issue 52).
