@@ -310,8 +310,10 @@ def test_accumulator_dtype_runs_each_accumulator_from_one_start(lm, tmp_path):
   run and not equal to it (the accumulator's dtype reaches the add), its
   table and its plot."""
   payload = lm.accumulator_dtype.main(
-    ["--steps", "2", "--ks", "2", "--seeds", "0", "--out", str(tmp_path)]
-  )
+    [*("--steps", "2", "--ks", "2", "--seeds", "0", "--max-len", "32"),
+     *("--d-model", "16", "--num-layers", "1", "--heldout-samples", "16"),
+     *("--out", str(tmp_path))]
+  )  # fmt: skip
   runs = payload["runs"]["2"]
   assert list(runs) == list(lm.accumulator_dtype.ACCUMULATORS)
   first = {name: r[0]["losses"][0] for name, r in runs.items()}

@@ -142,6 +142,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
   parser.add_argument("--ks", default="8,32", help="comma-separated")
   parser.add_argument("--micro-batch", type=int, default=4)
   parser.add_argument("--seeds", default="0,1,2", help="comma-separated")
+  parser.add_argument("--max-len", type=int, default=Config.max_len)
+  parser.add_argument("--d-model", type=int, default=Config.d_model)
+  parser.add_argument("--num-layers", type=int, default=Config.num_layers)
+  parser.add_argument(
+    "--heldout-samples", type=int, default=Config.heldout_samples
+  )
   parser.add_argument("--out", default=str(HERE / "results"))
   args = parser.parse_args(argv)
   seeds = [int(s) for s in args.seeds.split(",")]
@@ -156,7 +162,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     runs = {name: [] for name in ACCUMULATORS}
     for seed in seeds:
       cfg = Config(
-        steps=args.steps, every_k=k, micro_batch=args.micro_batch, seed=seed
+        steps=args.steps,
+        every_k=k,
+        micro_batch=args.micro_batch,
+        max_len=args.max_len,
+        d_model=args.d_model,
+        num_layers=args.num_layers,
+        heldout_samples=args.heldout_samples,
+        seed=seed,
       )
       data = load_data(cfg)
       for name in ACCUMULATORS:
