@@ -94,6 +94,16 @@ def accel_env() -> dict[str, str]:
   # persistent cache (jax 0.10.2: "PjRtCompiler must be constructed with a
   # Client to call DeserializeLoadedExecutable"): no cache there.
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  # No GEMM autotuning: there is no device to time configurations on, and
+  # at its default level XLA:GPU still compiles candidate configurations
+  # (ptxas included) to find the first that compiles. At level 0 it takes
+  # its default one: every fact the workers read (HLO, copies, kernel
+  # bytes, memory_analysis) came out identical for the 105 programs of
+  # tests/test_accelerators.py on jax 0.12.0.1, in 30% less CPU
+  # (2026-11-29; issue 60).
+  env["XLA_FLAGS"] = " ".join(
+    filter(None, [env.get("XLA_FLAGS", ""), "--xla_gpu_autotune_level=0"])
+  )
   env.update(
     JAX_PLATFORMS="cpu",  # compile only: no TPU or GPU is looked for
     PYTHONPATH=os.pathsep.join([str(accel), str(REPO)]),
