@@ -161,16 +161,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   for k in (int(x) for x in args.ks.split(",")):
     runs = {name: [] for name in ACCUMULATORS}
     for seed in seeds:
-      cfg = Config(
-        steps=args.steps,
-        every_k=k,
-        micro_batch=args.micro_batch,
-        max_len=args.max_len,
-        d_model=args.d_model,
-        num_layers=args.num_layers,
-        heldout_samples=args.heldout_samples,
-        seed=seed,
-      )
+      cfg = Config.of_args(args, every_k=k, seed=seed)
       data = load_data(cfg)
       for name in ACCUMULATORS:
         runs[name].append(run(cfg, data, name))

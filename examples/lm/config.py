@@ -27,6 +27,14 @@ class Config:
   def batch_size(self) -> int:
     return self.every_k * self.micro_batch
 
+  @classmethod
+  def of_args(cls, args, **fields) -> "Config":
+    """The Config of a script's command line: each of argparse's `args`
+    that names a field (``--d-model`` is `d_model`), then `fields`."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    given = {k: v for k, v in vars(args).items() if k in names}
+    return cls(**{**given, **fields})
+
 
 # The runs of adaptive.py: each chooses k (micro-batches per optimizer step)
 # its own way; see adaptive.make_every_k.

@@ -139,15 +139,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
   seeds = []
   for seed in (int(s) for s in args.seeds.split(",")):
-    cfg = Config(
-      steps=args.steps,
-      every_k=args.every_k,
-      micro_batch=args.micro_batch,
-      max_len=args.max_len,
-      d_model=args.d_model,
-      num_layers=args.num_layers,
-      seed=seed,
-    )
+    cfg = Config.of_args(args, seed=seed)
     data = load_data(cfg)
     runs = {wire: run(cfg, data, wire, args.devices) for wire in WIRES}
     one_device = run(cfg, data, "float32", 1)
