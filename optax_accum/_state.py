@@ -550,7 +550,9 @@ def has_updated(opt_state: optax.OptState) -> jax.Array:
     a state with a leading axis whose flags agree (replicated by ``pmap``:
     the devices agree when ``axis_name`` is given) gives one ``bool[]``, so
     ``if has_updated(state):`` works; one whose flags differ (a stacked
-    ensemble) gives them all.
+    ensemble) gives them all. An abstract state (``jax.eval_shape(tx.init,
+    params)``) gives the type, a ``jax.ShapeDtypeStruct``, as every reader
+    here does.
 
   Raises:
     TypeError: If `opt_state` holds no :class:`AccumulateState`.
@@ -568,9 +570,12 @@ def has_updated(opt_state: optax.OptState) -> jax.Array:
     False
     True
   """
+  emitted = find_state(opt_state, "has_updated").emitted
+  if isinstance(emitted, jax.ShapeDtypeStruct):
+    return emitted
   # jnp.asarray unwraps array-like leaves too, such as the OptArray leaves
   # of a flax.nnx.Optimizer's opt_state.
-  emitted = jnp.asarray(find_state(opt_state, "has_updated").emitted)
+  emitted = jnp.asarray(emitted)
   if emitted.ndim and not isinstance(emitted, jax.core.Tracer):
     flags = np.asarray(emitted)  # A replicated (pmap) or stacked state.
     if (flags == flags.flat[0]).all():
@@ -623,7 +628,7 @@ def current_every_k(opt_state: optax.OptState) -> jax.Array:
       :class:`AccumulateState` (see :func:`has_updated`).
 
   Returns:
-    An ``int32[]``.
+    An ``int32[]`` (its type for an abstract state).
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
@@ -636,7 +641,10 @@ def current_every_k(opt_state: optax.OptState) -> jax.Array:
     ...   _, state = tx.update(jnp.ones(2), state, params)
     1 1 1 2 2
   """
-  return jnp.asarray(find_state(opt_state, "current_every_k").every_k)
+  every_k = find_state(opt_state, "current_every_k").every_k
+  if isinstance(every_k, jax.ShapeDtypeStruct):
+    return every_k
+  return jnp.asarray(every_k)
 
 
 def weight_seen(opt_state: optax.OptState) -> jax.Array:
@@ -650,13 +658,16 @@ def weight_seen(opt_state: optax.OptState) -> jax.Array:
       :class:`AccumulateState` (see :func:`has_updated`).
 
   Returns:
-    A ``float32[]``.
+    A ``float32[]`` (its type for an abstract state).
   """
   return total_of(find_state(opt_state, "weight_seen").weight_seen)
 
 
 def total_of(weight_seen: Any) -> jax.Array:
-  """The value of a compensated ``[total, -rounding error]`` sum."""
+  """The value of a compensated ``[total, -rounding error]`` sum (its type,
+  of an abstract one)."""
+  if isinstance(weight_seen, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(weight_seen.shape[:-1], weight_seen.dtype)
   seen = jnp.asarray(weight_seen)
   return seen[..., 0] - seen[..., 1]
 

@@ -58,6 +58,34 @@ def test_an_abstract_state_reads_the_types_of_the_concrete_one(kind):
     assert got == want, name
 
 
+@pytest.mark.parametrize("kind", list(STATES))
+def test_the_public_readers_of_an_abstract_state_give_types(kind):
+  """``has_updated``, ``current_every_k``, ``weight_seen`` and
+  ``inner_state`` of ``jax.eval_shape(tx.init, params)`` (alone and in a
+  chain): the type of what they give the concrete state, as
+  ``jax.ShapeDtypeStruct``s (plant: ``has_updated`` reads the value)."""
+  tx = optax.chain(
+    optax.clip(1.0), optax_accum.accumulate(optax.adam(0.1), **STATES[kind])
+  )
+  params = {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3)}
+  abstract, concrete = jax.eval_shape(tx.init, params), tx.init(params)
+  readers = (
+    optax_accum.has_updated,
+    optax_accum.current_every_k,
+    optax_accum.weight_seen,
+    optax_accum.inner_state,
+  )
+  for reader in readers:
+    got = reader(abstract)
+    assert all(
+      isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(got)
+    ), reader.__name__
+    want = jax.eval_shape(reader, concrete)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), got) == jax.tree.map(
+      lambda x: (x.shape, x.dtype), want
+    ), reader.__name__
+
+
 @pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weight"])
 def test_a_wider_mantissa_with_a_narrower_range_rounds_into_it(weighted):
   """A float16 accumulator (11 bits of mantissa, largest 65504) for

@@ -774,6 +774,15 @@ MUTANTS += [
     "jax.eval_shape(tx.init, params).weight_seen has shape () not (2,)",
   ),
   _m(
+    "has_updated reads an abstract state's value",
+    "_state.py",
+    "  if isinstance(emitted, jax.ShapeDtypeStruct):\n    return emitted\n",
+    "",
+    [INPUTS, "-k", "abstract"],
+    "optax_accum.has_updated(jax.eval_shape(tx.init, params)) raises a"
+    " TypeError (len() of unsized object)",
+  ),
+  _m(
     "holds exactly compares mantissas only",
     "_accumulate.py",
     "  return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp",
