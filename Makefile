@@ -91,7 +91,9 @@ PYTEST_WORKERS ?= 2
 # too. Where the time goes: tools/suite_stats.py (the main suite on
 # 2026-11-29, empty caches, the quiet 2-core box: about 920 CPU s, of which
 # 430 s XLA:CPU compiles, 170 s the accelerator compile servers and 130 s
-# subprocesses; test-py311 about 250 CPU s, test-oldest about 95). Tried
+# subprocesses; test-py311 about 250 CPU s, test-oldest about 95; since
+# then the compile servers compile without GEMM autotuning, 30% less:
+# tests/_common.accel_env). Tried
 # side by side (make -j3, 2026-11-29): no sooner done on 2 cores, every run
 # being bound by its CPU, and one main-suite worker died in jax's
 # persistent-cache write under that load (a segmentation fault, not seen
