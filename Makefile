@@ -97,7 +97,9 @@ PYTEST_WORKERS ?= 2
 # side by side (make -j3, 2026-11-29): no sooner done on 2 cores, every run
 # being bound by its CPU, and one main-suite worker died in jax's
 # persistent-cache write under that load (a segmentation fault, not seen
-# with the runs one after the other): they run one after the other.
+# with the runs one after the other); test-py311 and test-oldest side by
+# side (make -j2 --output-sync, empty caches): 149 s, as one after the
+# other. They run one after the other.
 test: python-note test-main
 	$(MAKE) --no-print-directory test-py311
 	$(MAKE) --no-print-directory test-oldest python-note
