@@ -241,9 +241,7 @@ MULTI_DEVICE = (
 def of_several_devices(name: str) -> bool:
   """Whether a request key, target, engine or recipe name is a program
   for several devices."""
-  return name.split("/")[0] in MULTI_DEVICE or any(
-    part in MULTI_DEVICE for part in name.split("/")[1:2]
-  )
+  return any(part in MULTI_DEVICE for part in name.split("/")[:2])
 
 
 @functools.cache

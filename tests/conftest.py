@@ -177,7 +177,8 @@ def pytest_collection_modifyitems(config, items):
     drop = [i for i in items if i.path.name in accel and _of_several_devices(i)]
     if drop:
       config.hook.pytest_deselected(items=drop)
-      items[:] = [i for i in items if i not in set(drop)]
+      dropped = set(drop)
+      items[:] = [i for i in items if i not in dropped]
   # A stable sort: each module's tests keep their order.
   rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

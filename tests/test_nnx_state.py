@@ -244,6 +244,14 @@ def test_load_names_what_it_cannot_read(tmp_path):
   del saved["opt_state"]["acc_grads"]["b"]
   with pytest.raises(ValueError, match=r"opt_state\.acc_grads.*'b'"):
     optimizer.load(saved)
+  # A MultiSteps checkpoint converts into the accumulate that replaces it,
+  # not into a chain around one.
+  chained = optax_accum.flax.Optimizer(
+    model, optax.chain(optax.identity(), _tx()), wrt=nnx.Param
+  )
+  saved = _saved_by("multisteps", tmp_path, "msgpack")["optimizer"]
+  with pytest.raises(ValueError, match="not a chain around one"):
+    chained.load(saved)
 
 
 # ----------------------------------------------------------------------------

@@ -51,11 +51,6 @@ class OptStateTree(nnx.OptState):
     )
 
 
-def _pure(state: Any) -> Any:
-  """A Variable's value, or a tree of them as values."""
-  return nnx.as_pure(state)
-
-
 class Optimizer(nnx.Optimizer):
   """A drop-in for ``flax.nnx.Optimizer`` around ``optax_accum.accumulate``.
 
@@ -146,7 +141,7 @@ class Optimizer(nnx.Optimizer):
     params = nnx.to_pure_dict(param_state)
     grads = nnx.to_pure_dict(nnx.state(grads, self.wrt, graph=self.graph))
     opt_state = self.opt_state.get_value()
-    kwargs = _pure(kwargs)
+    kwargs = nnx.as_pure(kwargs)
     options = _checks.dropin_options(
       opt_state,
       "Optimizer.update",
@@ -198,7 +193,7 @@ class Optimizer(nnx.Optimizer):
       ValueError: If `saved` fits none of the layouts above (the first
         path that differs is named).
     """
-    saved = _unwrapped(_pure(saved))
+    saved = _unwrapped(nnx.as_pure(saved))
     if not isinstance(saved, dict) or not {"step", "opt_state"} <= set(saved):
       raise ValueError(
         "`saved` must be an optimizer's state, a mapping with 'step' and"
@@ -287,23 +282,15 @@ def _from_stock_multisteps(tx: Any, current: Any, raw: dict) -> Any:
 
   accumulate = _state.find_state(current, "Optimizer.load")
   params = jax.tree.map(jnp.zeros_like, accumulate.acc_grads)
-  old = multisteps.equivalent(_accumulate_part(tx))
-  ms_state = _filled(old.init(params), raw, "opt_state")
-  return multisteps.from_multisteps(ms_state, current)
-
-
-def _accumulate_part(tx: Any) -> Any:
-  from optax_accum import _accumulate  # noqa: PLC0415
-
   try:
-    _accumulate.config_of(tx, "Optimizer.load")
+    target = multisteps.restore_target(tx, params)
   except TypeError as e:
     raise ValueError(
       "A checkpoint of nnx.Optimizer(model, optax.MultiSteps(...)) converts"
       " into an Optimizer whose tx is the optax_accum.accumulate that"
       " replaces it (not a chain around one)."
     ) from e
-  return tx
+  return multisteps.from_multisteps(_filled(target, raw, "opt_state"), current)
 
 
 # ----------------------------------------------------------------------------
