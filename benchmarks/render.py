@@ -79,9 +79,12 @@ REASONS = {
     " `nnx.Optimizer(MultiSteps)` keeps one per leaf."
   ),
   "jax.jit, emit=@tiny": (
-    "where it ties, at the tiny model: a call there is bound by the host,"
-    " whose noise scatters the rounds (in the run of 2026-11-29 at 01:15,"
-    " one round of five at k=2 fell below 1, 0.95, the others 1.10-1.33)."
+    "at k=1 on the tiny model: every call of both loops runs the optimizer,"
+    " and a call is bound by the host. Three CPU runs measured 0.99x"
+    " (2026-11-27), 0.99x (2026-11-29 01:15) and 0.93x (rounds 0.92-0.98,"
+    " 2026-11-29 02:40, this table): a few per cent of host work a call"
+    " more than MultiSteps', not isolated further. At k=2 one round of"
+    " five fell to 0.95 once (01:15), the others 1.10-1.33."
   ),
 }
 # The same, on a GPU (``gpu.sh``; the closing note of issue 52).
