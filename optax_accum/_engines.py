@@ -217,6 +217,9 @@ def for_update(axis_name: Hashable, grads: Any, acc_grads: Any) -> Local:
       " `tx.init(params)` while the mesh is set (`with jax.set_mesh(mesh):`)"
       " or with params placed on it, so that `init` builds unreduced"
       " accumulators; `optax_accum.distributed.state_shardings` gives"
-      " their shardings."
+      " their shardings. A restored state (host arrays, or a checkpoint"
+      " of another number of devices): lay it out with"
+      " `optax_accum.distributed.regroup_state(restored, tx.init(params))`"
+      " under the mesh."
     ) from None
   return Unreduced(axis_name)

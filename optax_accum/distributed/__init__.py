@@ -12,7 +12,9 @@ end of each cycle. These helpers go with it:
   :func:`drop_device_axis`: the state's layout in and out of
   ``jax.shard_map``;
 * :func:`reduce_state`: a state under plain ``jit`` that a checkpoint can
-  hold.
+  hold;
+* :func:`regroup_state`: a restored state laid out for the devices that
+  resume it, however many wrote it.
 """
 
 from optax_accum._noise_scale import NoiseStats as NoiseStats
@@ -21,6 +23,7 @@ from optax_accum.distributed._layout import (
   drop_device_axis as drop_device_axis,
 )
 from optax_accum.distributed._layout import reduce_state as reduce_state
+from optax_accum.distributed._layout import regroup_state as regroup_state
 from optax_accum.distributed._layout import shard_map_specs as shard_map_specs
 from optax_accum.distributed._local_grad import (
   local_value_and_grad as local_value_and_grad,
@@ -35,6 +38,7 @@ __all__ = (
   "drop_device_axis",
   "local_value_and_grad",
   "reduce_state",
+  "regroup_state",
   "shard_map_specs",
   "state_shardings",
 )

@@ -12,19 +12,28 @@ caller has to know which fields are which.
 Under plain ``jit`` (the unreduced engine) the accumulator is typed unreduced
 over the data axis, which JAX cannot copy to the host and Orbax cannot save;
 :func:`reduce_state` gives the state a checkpoint can hold.
+
+A checkpoint holds the layout of the devices that wrote it: a leading axis of
+N rows, one partial sum per device, on the device-local leaves (or on every
+leaf of a ``pmap`` state). :func:`regroup_state` lays a restored state out for
+the devices of the run that resumes it, with nothing lost, and
+:func:`drop_device_axis` refuses a state that was not.
 """
 
+import dataclasses
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _unreduced
+from optax_accum import _control, _unreduced
 from optax_accum._state import (
   DEVICE_LOCAL_FIELDS,
   AccumulateState,
+  find_state,
   is_accumulate_state,
 )
 from optax_accum.distributed import _sharding
@@ -161,13 +170,86 @@ def drop_device_axis(opt_state: Any) -> Any:
   The inverse of :func:`add_device_axis`: turns the state received through
   the specs of :func:`shard_map_specs` into what ``update`` expects.
 
+  Each device must see one row: the partial sums of one device. A state
+  written on more devices than this ``shard_map`` spreads it over (a
+  checkpoint of 8 devices resumed on 4) gives each device several rows,
+  every one a partial sum that the cycle's update needs; rather than
+  take one and lose the others, this raises, naming the device counts
+  and :func:`regroup_state`, which lays such a state out for these
+  devices. (Onto more devices than wrote it, 4 to 8, ``shard_map``
+  itself refuses the state: 8 does not divide 4.)
+
   Args:
     opt_state: An optimizer state in the global layout, seen by one device.
 
   Returns:
     The same tree, each device-local leaf ``x`` replaced by ``x[0]``.
+
+  Raises:
+    ValueError: If a device-local leaf holds other than one row here.
   """
+  _check_one_row(opt_state)
   return _map_device_local(opt_state, lambda x: x[0])
+
+
+def _check_one_row(opt_state: Any) -> None:
+  """Raises unless every device-local leaf of `opt_state` has one row."""
+
+  def check(path: tuple, state: AccumulateState) -> None:
+    local = [
+      (path + (jax.tree_util.GetAttrKey(field), *p), x)
+      for field in DEVICE_LOCAL_FIELDS
+      for p, x in jax.tree_util.tree_flatten_with_path(
+        getattr(state, "acc_buffer" if field == "acc_grads" else field)
+      )[0]
+    ]
+    for where, x in local:
+      rows = np.shape(x)[0] if np.ndim(x) else None
+      if rows == 1:
+        continue
+      name = jax.tree_util.keystr(where) or "<root>"
+      got = "no leading axis" if rows is None else f"{rows} rows"
+      counts = _device_counts(state.acc_scalars, rows)
+      raise ValueError(
+        f"`opt_state` leaf {name} holds {got} on this device, where"
+        " `add_device_axis` writes one (this device's partial sums):"
+        f" {counts}. Taking one row would lose the other devices' partial"
+        " sums of the open cycle. Lay the restored state out for these"
+        " devices once, before the first step:"
+        " `opt_state = optax_accum.distributed.regroup_state(restored,"
+        " init(params))`, with `init` this run's (the state it gives on"
+        " these devices is the layout wanted)."
+      )
+
+  for path, node in jax.tree_util.tree_flatten_with_path(
+    opt_state, is_leaf=is_accumulate_state
+  )[0]:
+    if is_accumulate_state(node):
+      check(tuple(path), node)
+
+
+def _device_counts(scalars: Any, rows: int | None) -> str:
+  """The device counts a state of `rows` rows per device says, in words:
+  named where the mesh axis it is spread over is known (the one manual axis
+  `scalars` varies over, or the mesh's one manual axis)."""
+  if rows is None:
+    return "it was not laid out with `shard_map_specs` and `add_device_axis`"
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = _control.varying_axes(jax.typeof(scalars))
+  if not axes and mesh is not None and not mesh.empty:
+    manual = getattr(mesh, "manual_axes", ())
+    axes = frozenset(manual)
+  if len(axes) == 1 and mesh is not None and not mesh.empty:
+    (axis,) = axes
+    here = dict(mesh.shape)[axis]
+    return (
+      f"the state was written on {rows * here} devices (or replicas) of"
+      f" {axis!r} and this shard_map runs on {here}"
+    )
+  return (
+    f"the state was written on {rows} times as many devices (or replicas)"
+    " as this shard_map spreads it over"
+  )
 
 
 def _reduced_leaf(x: Any) -> Any:
@@ -224,3 +306,330 @@ def reduce_state(opt_state: Any) -> Any:
     float32[3]
   """
   return jax.tree.map(_reduced_leaf, opt_state)
+
+
+# ----------------------------------------------------------------------------
+# Resuming on another number of devices.
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+  """How a state lays out its devices: `stacked` rows on every leaf (a
+  ``pmap`` state), `local` rows on the device-local leaves (``shard_map``'s
+  global layout, or `stacked`); None for no such axis (one device's state,
+  or the unreduced engine's, whose sums are one value)."""
+
+  stacked: int | None
+  local: int | None
+
+
+def _rows_of(state: AccumulateState, name: str) -> _Rows:
+  counters, scalars = np.shape(state.counters), np.shape(state.acc_scalars)
+  if len(counters) == 2 and scalars[:1] == counters[:1]:
+    return _Rows(counters[0], counters[0])
+  if len(counters) == 1 and len(scalars) in (1, 2):
+    return _Rows(None, scalars[0] if len(scalars) == 2 else None)
+  raise ValueError(
+    f"`{name}` holds an AccumulateState whose `counters` have shape"
+    f" {counters} and `acc_scalars` {scalars}: not a layout of one device,"
+    " of `shard_map_specs` (a leading device axis on `acc_grads` and"
+    " `acc_scalars`) or of `pmap` (a leading device axis on every leaf)."
+  )
+
+
+def _on_host(x: Any) -> np.ndarray:
+  """`x`'s value as a NumPy array, gathered from every process when it
+  spans several."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
+
+
+def _regrouped(x: Any, rows: int | None, wanted: int | None) -> np.ndarray:
+  """Partial sums on `rows` rows (None: one value, no device axis) regrouped
+  onto `wanted` rows, nothing lost: row ``i`` is added into row
+  ``i * wanted // rows`` (the contiguous blocks ``shard_map`` would give
+  each device where `wanted` divides `rows`), in float32 at least."""
+  x = _on_host(x)
+  if rows is None:
+    x, rows = x[None], 1
+  out_rows = 1 if wanted is None else wanted
+  wide = np.promote_types(x.dtype, np.float32)
+  out = np.zeros((out_rows, *x.shape[1:]), wide)
+  for i in range(rows):
+    out[i * out_rows // rows] += x[i]
+  out = out.astype(x.dtype)
+  return out[0] if wanted is None else out
+
+
+def _replicated(x: Any, rows: int | None, wanted: int | None, name: str) -> Any:
+  """A leaf every device holds the same, from `rows` stacked copies (None:
+  one) to `wanted`; raises if the copies differ (not replicas of one run:
+  a stacked ensemble)."""
+  if rows is None and wanted is None:
+    return x
+  if rows is not None:
+    copies = _on_host(x)
+    same = copies == copies[:1]
+    if jax.numpy.issubdtype(copies.dtype, jax.numpy.inexact):
+      same |= np.isnan(copies) & np.isnan(copies[:1])
+    if not same.all():
+      raise ValueError(
+        f"`opt_state` leaf {name} differs between its {rows} rows, which"
+        " a `pmap` state's replicas never do: this is not the state of one"
+        " run replicated over devices (a stacked ensemble?), and regrouping"
+        " it onto another number of devices would mix runs."
+      )
+    x = copies[0]
+  if wanted is None:
+    return x
+  x = np.asarray(x)
+  return np.broadcast_to(x, (wanted, *x.shape)).copy()
+
+
+def _concrete_sharding(like: Any) -> jax.sharding.Sharding | None:
+  """The sharding to place a leaf like `like` on: an array's, or a
+  ``jax.ShapeDtypeStruct``'s where it names devices; None otherwise."""
+  sharding = getattr(like, "sharding", None)
+  if not isinstance(sharding, jax.sharding.Sharding):
+    return None
+  if isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh):
+    return None
+  return sharding
+
+
+def _check_leaf(
+  x: Any, like: Any, name: str, rows: int | None, wanted: int | None
+) -> None:
+  """Raises unless `x` (with `rows` rows, or None) and `like` (`wanted`)
+  are the same leaf but for their device axes."""
+  have, want = tuple(np.shape(x)), tuple(np.shape(like))
+  same_dtype = np.dtype(x.dtype) == np.dtype(like.dtype)
+  if same_dtype and have[rows is not None :] == want[wanted is not None :]:
+    return
+
+  def typed(leaf: Any, rows: int | None) -> str:
+    kind = "" if rows is None else f" ({rows} rows of devices)"
+    return f"{np.dtype(leaf.dtype).name}{list(np.shape(leaf))}{kind}"
+
+  raise ValueError(
+    f"`opt_state` leaf {name} is {typed(x, rows)} where `target`'s is"
+    f" {typed(like, wanted)}: restore the checkpoint of this"
+    " transformation (the same `accumulate` options and inner optimizer)"
+    " and these params."
+  )
+
+
+def _placed(value: Any, like: Any) -> Any:
+  """`value` (a NumPy array, or an array of the restored state) placed as
+  `like` is, where `like` has a sharding on devices."""
+  sharding = _concrete_sharding(like)
+  if sharding is None:
+    return value
+  if isinstance(value, jax.Array) and value.sharding == sharding:
+    return value
+  spec = getattr(sharding, "spec", None)
+  unreduced = tuple(getattr(spec, "unreduced", ()))
+  if unreduced:
+    # jax cannot place host values on an unreduced sharding
+    # (`device_indices_map doesn't work with unreduced`, jax 0.10.2 to
+    # 0.12): placed replicated over those axes first, the device_put to the
+    # unreduced sharding keeps the whole sum on one device of each group
+    # and zeros on the others (no communication).
+    reduced = NamedSharding(
+      sharding.mesh, _unreduced.reduced_spec(like, unreduced)
+    )
+    return jax.device_put(_put(value, reduced), sharding)
+  return _put(value, sharding)
+
+
+def _put(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+  if isinstance(value, jax.Array) or sharding.is_fully_addressable:
+    return jax.device_put(value, sharding)
+  host = np.asarray(value)  # every process holds it: each puts its shards
+  return jax.make_array_from_callback(
+    host.shape, sharding, lambda index: host[index]
+  )
+
+
+def _regroup_accumulate(
+  path: tuple, state: AccumulateState, like: AccumulateState, stacks: tuple
+) -> AccumulateState:
+  have, want = _rows_of(state, "opt_state"), _rows_of(like, "target")
+  field = jax.tree_util.GetAttrKey
+
+  def local(x: Any, t: Any, where: str) -> Any:
+    _check_leaf(x, t, where, have.local, want.local)
+    if is_open:
+      return _placed(_regrouped(x, have.local, want.local), t)
+    return _placed(np.zeros(np.shape(t), t.dtype), t)
+
+  def over(fn: Callable, key: str, x: Any, t: Any) -> Any:
+    return jax.tree_util.tree_map_with_path(
+      lambda p, t_leaf, x_leaf: fn(
+        x_leaf, t_leaf, jax.tree_util.keystr((*path, field(key), *p))
+      ),
+      t,
+      x,
+    )
+
+  def replicated(x: Any, t: Any, where: str) -> Any:
+    return _replicated_leaf(x, t, where, *stacks)
+
+  counters = over(replicated, "counters", state.counters, like.counters)
+  # The cycle is open where a micro-batch was accepted since the last end;
+  # where none is, the device-local leaves hold nothing the run reads (at
+  # most what the last cycle left, `_state.py`): zeros.
+  is_open = bool((_on_host(counters)[..., 0] > 0).any())
+  return AccumulateState(
+    counters=counters,
+    acc_grads=over(local, "acc_grads", state.acc_buffer, like.acc_buffer),
+    acc_scalars=over(local, "acc_scalars", state.acc_scalars, like.acc_scalars),
+    inner_state=over(
+      replicated, "inner_state", state.inner_state, like.inner_state
+    ),
+  )
+
+
+def _replicated_leaf(
+  x: Any, like: Any, where: str, rows: int | None, wanted: int | None
+) -> Any:
+  """A leaf every device holds the same, checked, copied and placed."""
+  _check_leaf(x, like, where, rows, wanted)
+  return _placed(_replicated(x, rows, wanted, where), like)
+
+
+def _check_structure(opt_state: Any, target: Any) -> None:
+  have = jax.tree_util.tree_flatten_with_path(opt_state)[0]
+  want = jax.tree_util.tree_flatten_with_path(target)[0]
+  if jax.tree.structure(opt_state) == jax.tree.structure(target):
+    return
+  have_paths = [jax.tree_util.keystr(p) for p, _ in have]
+  want_paths = [jax.tree_util.keystr(p) for p, _ in want]
+  missing = [p for p in want_paths if p not in have_paths]
+  extra = [p for p in have_paths if p not in want_paths]
+  raise ValueError(
+    "`opt_state` and `target` must be states of one transformation (the"
+    f" same tree), got trees that differ: `target` has {missing[:3]} that"
+    f" `opt_state` lacks, `opt_state` has {extra[:3]} that `target` lacks"
+    f" (first three; structures {jax.tree.structure(opt_state)} and"
+    f" {jax.tree.structure(target)})."
+  )
+
+
+def regroup_state(opt_state: Any, target: Any) -> Any:
+  r"""A restored state, laid out for the devices of the run that resumes it.
+
+  The state of ``accumulate(..., axis_name=...)`` keeps one partial sum per
+  device during a cycle, and a checkpoint keeps them as the devices that
+  wrote it held them: a leading axis of N rows on the device-local leaves
+  (``shard_map``'s layout, :func:`shard_map_specs`), on every leaf
+  (``pmap``), or none (the unreduced engine's :func:`reduce_state`, whose
+  sums are one value). Resumed on M devices, those N partial sums are
+  regrouped onto M rows, nothing lost: row ``i`` is added into row
+  ``i * M // N`` (in float32 at least, then back to the accumulator's
+  dtype), so that the cycle goes on from the same sums. The counters say
+  the cycle ends after the micro-batches it would have; its update is the
+  uninterrupted run's up to float rounding (the partial sums are added in
+  another order). The weights and the noise scale's sums of the open cycle
+  are sums over devices too, and are regrouped alike: the noise scale's
+  estimate of that cycle keeps every sample taken before the checkpoint
+  (its samples after it are the new devices' shares). Between cycles
+  (``micro_step == 0``) there is nothing to regroup: the device-local
+  leaves are zeros.
+
+  Call it once, right after the restore, whatever the device counts (with
+  as many devices as before it changes nothing but the placement); the
+  layout wanted is that of `target`, a state of this run on these devices,
+  and the one read is that of `opt_state`, so no count is passed:
+
+  * ``shard_map``: ``target = init(params)``, the jitted ``shard_map`` of
+    ``add_device_axis(tx.init(p))`` with :func:`shard_map_specs`;
+  * ``pmap``: the copies ``pmap`` is given (``jnp.stack([x] * n)`` of
+    ``tx.init(params)``'s leaves);
+  * plain ``jit`` with unreduced gradients: ``tx.init(params)`` under the
+    mesh (``jax.set_mesh``). `opt_state` may then hold host arrays, which
+    ``jax.device_put(restored, state_shardings(tx, params))`` refuses
+    (``device_indices_map doesn't work with unreduced``): this places each
+    sum on the first device of the data axis and zeros on the others.
+
+  Each leaf is placed as `target`'s is (its sharding, where it is an array
+  or a ``jax.ShapeDtypeStruct`` with a sharding on devices), else returned
+  as a NumPy array. A regrouped leaf passes through the host, gathered from
+  every process where it spans several.
+
+  Args:
+    opt_state: The restored optimizer state (host or device arrays): an
+      :class:`~optax_accum.AccumulateState` or any tree holding them, as
+      saved on any number of devices, replicas or processes, in any of the
+      layouts above. A state whose accumulator is still typed unreduced is
+      summed first (:func:`reduce_state`).
+    target: A state of the same transformation on the devices of this run
+      (arrays, or ``jax.ShapeDtypeStruct``\s): its layout and placement are
+      those wanted.
+
+  Returns:
+    `opt_state`'s values with `target`'s structure, shapes, dtypes and
+    shardings.
+
+  Raises:
+    ValueError: If the trees differ, a leaf's shape or dtype does not match
+      `target`'s once regrouped (another transformation or other params),
+      or the copies of a ``pmap`` state differ (a stacked ensemble, not
+      replicas).
+    TypeError: If `target` holds no :class:`~optax_accum.AccumulateState`.
+
+  Examples:
+    Four micro-batch gradients of a ``pmap`` state of 8 devices, resumed on
+    4: each new device holds two old devices' sums and weights.
+
+    >>> import jax, jax.numpy as jnp, optax, optax_accum
+    >>> tx = optax_accum.accumulate(optax.sgd(0.1), 4, axis_name="data")
+    >>> params = jnp.zeros(2)
+    >>> def replicas(n):  # one copy of the state per device
+    ...   return jax.tree.map(lambda a: jnp.stack([a] * n), tx.init(params))
+    >>> grads = jnp.arange(1.0, 9.0)[:, None] * jnp.ones(2)  # device d: d+1
+    >>> update = jax.vmap(tx.update, (0, 0, None), axis_name="data")
+    >>> _, saved = update(grads, replicas(8), params)
+    >>> state = optax_accum.distributed.regroup_state(saved, replicas(4))
+    >>> print(state.acc_grads, state.acc_weight, state.micro_step)
+    [[ 3.  3.]
+     [ 7.  7.]
+     [11. 11.]
+     [15. 15.]] [2. 2. 2. 2.] [1 1 1 1]
+  """
+  _check_structure(opt_state, target)
+  find_state(target, "regroup_state")  # raises naming what is missing
+  found = [
+    (t, x)
+    for t, x in zip(
+      jax.tree.leaves(target, is_leaf=is_accumulate_state),
+      jax.tree.leaves(opt_state, is_leaf=is_accumulate_state),
+      strict=True,
+    )
+    if is_accumulate_state(t)
+  ]
+  stacks = {
+    (_rows_of(x, "opt_state").stacked, _rows_of(t, "target").stacked)
+    for t, x in found
+  }
+  if len(stacks) != 1:
+    raise ValueError(
+      "`opt_state` holds AccumulateStates of different layouts (some"
+      " stacked by `pmap`, some not): regroup each state on its own."
+    )
+  (stack,) = stacks
+  opt_state = reduce_state(opt_state)
+
+  def visit(path: tuple, like: Any, x: Any) -> Any:
+    if is_accumulate_state(like):
+      return _regroup_accumulate(tuple(path), x, like, stack)
+    where = jax.tree_util.keystr(tuple(path))
+    return _replicated_leaf(x, like, where, *stack)
+
+  return jax.tree_util.tree_map_with_path(
+    visit, target, opt_state, is_leaf=is_accumulate_state
+  )
