@@ -335,6 +335,21 @@ def first(spec: Spec) -> jax.Array:
   return _scheduled(spec, zero, jnp.zeros([], jnp.float32))
 
 
+def is_step_schedule(spec: Spec) -> bool:
+  """Whether `spec` is a schedule of the optimizer step alone, the one kind
+  ``optax.MultiSteps`` shares (its ``every_k_schedule``)."""
+  return spec.schedule is not None and not spec.takes_weight
+
+
+def of_multisteps(spec: Spec, step: jax.Array) -> jax.Array:
+  """The k of the cycle at optimizer step `step` in the ``optax.MultiSteps``
+  run that `spec` takes over from (``multisteps.equivalent``): a schedule
+  of the step at `step`, any other kind its first k."""
+  if is_step_schedule(spec):
+    return _scheduled(spec, jnp.asarray(step, jnp.int32), jnp.float32(0))
+  return first(spec)
+
+
 def init_grow(spec: Spec) -> GrowState | optax.EmptyState:
   """The controller's state; an empty record without a controller."""
   if spec.grow is None:

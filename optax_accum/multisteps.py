@@ -211,7 +211,7 @@ def _equivalent(tx: Any, reader: str, accumulator_dtype: Any):
   config = _accumulate.config_of(tx, reader)
   spec = config.every_k
   k = _every_k.first(spec)
-  if spec.schedule is not None and not spec.takes_weight:
+  if _every_k.is_step_schedule(spec):
     every_k_schedule = spec.schedule  # both call it with the optimizer step
   else:
     every_k_schedule = int(k)
@@ -241,7 +241,8 @@ def from_multisteps(
   ms_state: optax.MultiStepsState,
   target: Any,
   *,
-  use_grad_mean: bool = True,
+  tx: optax.GradientTransformation | None = None,
+  use_grad_mean: bool | None = None,
   every_k: int | None = None,
 ) -> Any:
   r"""The ``accumulate`` state that continues a ``MultiSteps`` run.
@@ -251,8 +252,14 @@ def from_multisteps(
   ``inner_opt_state``, and the accumulator holds the running sum
   :math:`n \bar g` (with ``use_grad_mean``, ``MultiSteps`` keeps the running
   mean :math:`\bar g` of the :math:`n` = ``mini_step`` micro-batches), of
-  weight :math:`n`. Continued with the same gradients, the run matches the
-  unswitched one to float32 rounding.
+  weight :math:`n`. The open cycle's k is the one ``MultiSteps`` gave it,
+  ``every_k_schedule(gradient_step)``. Continued with the same gradients,
+  the run matches the unswitched one to float32 rounding.
+
+  Pass `tx`, the ``accumulate`` transformation that takes over: from it
+  come what ``acc_grads`` holds (its ``reduction``) and the open cycle's k
+  (its ``every_k`` schedule at ``gradient_step``). Without it, `target`
+  says nothing of either, and a schedule's cycle would take the k of step 0.
 
   Args:
     ms_state: The ``optax.MultiStepsState``, restored with the
@@ -260,17 +267,20 @@ def from_multisteps(
     target: A fresh state of the ``accumulate`` transformation that takes
       over (``tx.init(params)``), or an optimizer state holding one (an
       ``optax.chain`` state): its layout, dtypes and records are kept.
+    tx: That ``accumulate`` transformation (not a chain around it).
     use_grad_mean: The ``MultiSteps`` argument of the same name (what its
-      ``acc_grads`` holds).
-    every_k: The current cycle's number of micro-batches, when ``every_k``
-      is a schedule (``schedule(gradient_step)``); default: the target's.
+      ``acc_grads`` holds); default: ``reduction == "mean"`` of `tx`, or
+      True without `tx`.
+    every_k: The current cycle's number of micro-batches; default: with
+      `tx`, its ``every_k`` schedule at ``gradient_step`` (a fixed k, that
+      k); without, the target's.
 
   Returns:
     `target` with its :class:`~optax_accum.AccumulateState` replaced.
 
   Raises:
-    TypeError: If `ms_state` is not a ``MultiStepsState`` or `target` holds
-      no ``AccumulateState``.
+    TypeError: If `ms_state` is not a ``MultiStepsState``, `target` holds
+      no ``AccumulateState`` or `tx` is not an ``accumulate``.
     ValueError: If the inner state's or the accumulator's tree differs.
 
   Examples:
@@ -279,7 +289,8 @@ def from_multisteps(
     >>> old = optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
     >>> _, ms = old.update(jnp.array([2.0, 4.0]), old.init(params), params)
     >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
-    >>> state = optax_accum.multisteps.from_multisteps(ms, tx.init(params))
+    >>> state = optax_accum.multisteps.from_multisteps(
+    ...   ms, tx.init(params), tx=tx)
     >>> u, state = tx.update(jnp.array([4.0, 8.0]), state, params)
     >>> print(u)  # -(2 + 4) / 2, -(4 + 8) / 2
     [-3. -6.]
@@ -288,15 +299,24 @@ def from_multisteps(
   fresh = find_state(target, "from_multisteps")
   _same_tree("inner_opt_state", ms_state.inner_opt_state, fresh.inner_state)
   _same_tree("acc_grads", ms_state.acc_grads, fresh.acc_grads)
+  step = jnp.asarray(ms_state.gradient_step, jnp.int32)
+  k = fresh.every_k
+  mean = True
+  if tx is not None:
+    config = _accumulate.config_of(tx, "from_multisteps")
+    mean = config.reduction == "mean"
+    k = _every_k.of_multisteps(config.every_k, step)
+  if use_grad_mean is not None:
+    mean = use_grad_mean
+  if every_k is not None:
+    k = jnp.asarray(every_k, jnp.int32)
   n = jnp.asarray(ms_state.mini_step, jnp.int32)
-  scale = n.astype(jnp.float32) if use_grad_mean else jnp.float32(1)
+  scale = n.astype(jnp.float32) if mean else jnp.float32(1)
   acc = jax.tree.map(
     lambda m, a: (m.astype(jnp.float32) * scale).astype(a.dtype),
     ms_state.acc_grads,
     fresh.acc_grads,
   )
-  step = jnp.asarray(ms_state.gradient_step, jnp.int32)
-  k = fresh.every_k if every_k is None else jnp.asarray(every_k, jnp.int32)
   state = fresh.replace(
     micro_step=n,
     step=step,

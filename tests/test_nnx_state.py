@@ -269,17 +269,18 @@ def _flat_specs(tree):
 
 
 def test_shardings_on_a_mesh_are_the_stock_class_s():
+  """On a mesh of jax's default axis types (Explicit on jax 0.12); the Auto
+  meshes of Flax's recipes: tests/test_nnx_sharding.py."""
   mesh = jax.make_mesh((8,), ("model",), devices=jax.devices()[:8])
   with jax.set_mesh(mesh):
     model = _Model(nnx.Rngs(0), kernel_axes=(None, "model"))
     ours = optax_accum.flax.Optimizer(model, _tx(), wrt=nnx.Param)
     stock = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
-  ours_specs = optax_accum.flax.get_partition_spec(ours.opt_state)
+  ours_specs = nnx.get_partition_spec(ours.opt_state)
   stock_specs = nnx.get_partition_spec(stock.opt_state)
   assert _flat_specs(ours_specs) == _flat_specs(stock_specs)
   assert ("model",) in [s[1:] for s in _flat_specs(ours_specs)]
-  # nnx's own sees one Variable here: our equivalent is the way.
-  shardings = optax_accum.flax.get_named_sharding(nnx.state(ours), mesh)
+  shardings = nnx.get_named_sharding(nnx.state(ours), mesh)
   state = nnx.as_pure(nnx.state(ours))
   placed = jax.device_put(state, nnx.as_pure(shardings))
   kernel = placed["opt_state"].acc_grads["a"]["kernel"]

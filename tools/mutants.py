@@ -838,16 +838,45 @@ MUTANTS += [
 ]
 
 NNX_STATE = "tests/test_nnx_state.py"
+NNX_SHARDING = "tests/test_nnx_sharding.py"
 MUTANTS += [
   # -- The NNX drop-in's state as one Variable (issue 61). ------------------
+  # -- Flax's own sharding recipes see every leaf (issue 67). --------------
   _m(
     "nnx optimizer state specs all replicated",
     "flax/_nnx.py",
-    "  flat = [s.get_value() if isinstance(s, nnx.Variable) else s for s in flat]",
-    "  flat = [PartitionSpec() for s in flat]",
-    [NNX_STATE, "-k", "shardings"],
-    "optax_accum.flax.get_partition_spec: the accumulator replicated where"
-    " its param is sharded",
+    '  if not annotations.get("out_sharding"):\n    return PartitionSpec()',
+    "  if True:\n    return PartitionSpec()",
+    [NNX_SHARDING, "-k", "jit-fsdp"],
+    "nnx.get_partition_spec of the drop-in: the accumulator and the moments"
+    " replicated where their param is sharded",
+  ),
+  _m(
+    "nnx get_partition_spec sees one Variable",
+    "flax/_nnx.py",
+    "    if value is None or isinstance(value, PartitionSpec):",
+    "    if False:",
+    [NNX_SHARDING, "-k", "made_by_each_recipe and jit-fsdp"],
+    "Flax's create-a-sharded-model recipe replicates the drop-in's state 8x"
+    " in silence",
+  ),
+  _m(
+    "nnx eval_shape leaves without shardings",
+    "flax/_nnx.py",
+    "    if not mesh.empty and any(unplaced):",
+    "    if False:",
+    [NNX_SHARDING, "-k", "eval_shape-fsdp"],
+    "nnx.eval_shape of the drop-in: a restore target with no layout where"
+    " the stock class's is sharded",
+  ),
+  _m(
+    "nnx logical names taken as mesh axes",
+    "flax/_nnx.py",
+    "  spec = spmd.get_var_pspec(\n",
+    '  spec = PartitionSpec(*annotations["out_sharding"]) or spmd.get_var_pspec(\n',
+    [NNX_SHARDING, "-k", "get_partition_spec-logical"],
+    "the drop-in's specs ignore nnx.logical_axis_rules: logical names where"
+    " the stock class has mesh axes",
   ),
   _m(
     "nnx load keeps the fresh step",

@@ -4,8 +4,9 @@ Swap one name and keep the rest of the trainer:
 
 * :class:`Optimizer` for ``flax.nnx.Optimizer``: same constructor, same
   ``update(model, grads, **kwargs)``, same ``step`` and ``opt_state``
-  fields, the state one Variable (:class:`OptStateTree`; its shardings
-  through :func:`get_partition_spec` and :func:`get_named_sharding`);
+  fields, the state one Variable (:class:`OptStateTree`) whose every leaf
+  Flax's sharding functions (``nnx.get_partition_spec``,
+  ``nnx.get_named_sharding``) place as the stock class's;
 * :class:`TrainState` for ``flax.training.train_state.TrainState``:
   ``apply_gradients(grads=..., weight=..., flush=..., emit=...)``;
 * :func:`local_value_and_grad` for ``nnx.value_and_grad`` on a
@@ -27,14 +28,10 @@ from optax_accum.flax._grad import (
 from optax_accum.flax._linen import TrainState as TrainState
 from optax_accum.flax._nnx import Optimizer as Optimizer
 from optax_accum.flax._nnx import OptStateTree as OptStateTree
-from optax_accum.flax._nnx import get_named_sharding as get_named_sharding
-from optax_accum.flax._nnx import get_partition_spec as get_partition_spec
 
 __all__ = (
   "OptStateTree",
   "Optimizer",
   "TrainState",
-  "get_named_sharding",
-  "get_partition_spec",
   "local_value_and_grad",
 )
