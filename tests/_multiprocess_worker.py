@@ -14,6 +14,12 @@ and trains a token-weighted linear model for two optimizer steps of
   ``local_value_and_grad`` gives gradients typed unreduced over it and the
   same ``accumulate(..., axis_name="data")`` reduces once per optimizer step.
 
+The last two skip non-finite micro-batches, and get one (a NaN in process
+1's shard) in the middle of the second cycle; their states are saved
+through the host, as a checkpoint is, at the boundary before that cycle and
+in its middle, after the NaN (``--out`` with ``.npz``), for the parent to
+resume in one process on other devices (issue 69).
+
 Both must equal a big-batch reference that this process computes alone on one
 of its devices from the whole data set (every process can build it: the data
 come from a fixed seed, and each process only puts its own shards on its
@@ -75,6 +81,7 @@ def main(argv=None) -> None:
   import jax.numpy as jnp
   import numpy as np
   import optax
+  from jax.experimental import multihost_utils
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
@@ -139,6 +146,29 @@ def main(argv=None) -> None:
       )
 
     results = {}
+    # The micro-batch skipped in the second cycle: a NaN in the last example
+    # (process 1's shard).
+    nan_x = x[1, 0].copy()
+    nan_x[-1, 0, 0] = np.nan
+    calls = [(s, i) for s in range(STEPS) for i in range(K)]
+    calls.insert(K + 1, "nan")
+    saved_after = {"boundary": K, "mid": K + 2}  # calls run before a save
+    checkpoints = {"x": x, "y": y, "mask": mask, "nan_x": nan_x}
+
+    def call_data(call, sharding=by_batch):
+      if call == "nan":
+        part = (nan_x, y[1, 0], mask[1, 0])
+        return [
+          jax.make_array_from_callback(a.shape, sharding, lambda i, a=a: a[i])
+          for a in part
+        ]
+      return [global_batch(a, *call, sharding) for a in (x, y, mask)]
+
+    def save(recipe, point, params, state):
+      """Every process gathers the global arrays; process 0 writes them."""
+      gathered = multihost_utils.process_allgather((params, state), tiled=True)
+      for n, leaf in enumerate(jax.tree.leaves(gathered)):
+        checkpoints[f"{recipe}/{point}/{n}"] = np.asarray(leaf)
 
     # GSPMD: jit with a batch-sharded micro-batch, replicated params.
     tx = optax_accum.accumulate(inner, K)
@@ -162,7 +192,7 @@ def main(argv=None) -> None:
     results["gspmd_step"] = int(fetch(state.step))
 
     # shard_map: local gradients, reduced once per optimizer step.
-    tx = optax_accum.accumulate(inner, K, axis_name="data")
+    tx = optax_accum.accumulate(inner, K, axis_name="data", skip_nonfinite=True)
     specs = optax_accum.distributed.shard_map_specs(
       jax.eval_shape(tx.init, params0), "data"
     )
@@ -198,12 +228,13 @@ def main(argv=None) -> None:
     )
     params = jax.device_put(params0, replicated)
     state = init(params)
-    for s in range(STEPS):
-      for i in range(K):
-        params, state = shard_step(
-          params, state, *(global_batch(a, s, i) for a in (x, y, mask))
-        )
+    for n, call in enumerate(calls):
+      for point, after in saved_after.items():
+        if n == after:
+          save("shard_map", point, params, state)
+      params, state = shard_step(params, state, *call_data(call))
     results["shard_map"] = fetch(params)
+    results["shard_map_skipped"] = int(fetch(state.num_skipped))
     results["shard_map_step"] = int(fetch(state.step))
 
     # Plain jit, unreduced gradients: the same accumulate, no shard_map.
@@ -224,21 +255,28 @@ def main(argv=None) -> None:
       params = jax.device_put(params0, NamedSharding(explicit, P()))
       state = tx.init(params)
       by_batch = NamedSharding(explicit, P("data"))
-      for s in range(STEPS):
-        for i in range(K):
-          batch = [global_batch(a, s, i, by_batch) for a in (x, y, mask)]
-          if s == i == 0:  # The gradient is reduced in the emitting branch.
-            optax_accum.inspect.assert_reduction_deferred(
-              unreduced_step, params, state, *batch, min_bytes=4 * OUT
-            )
-          params, state = unreduced_step(params, state, *batch)
+      for n, call in enumerate(calls):
+        batch = call_data(call, by_batch)
+        for point, after in saved_after.items():
+          if n == after:
+            reduced = optax_accum.distributed.reduce_state(state)
+            save("unreduced", point, params, reduced)
+        if n == 0:  # The gradient is reduced in the emitting branch.
+          optax_accum.inspect.assert_reduction_deferred(
+            unreduced_step, params, state, *batch, min_bytes=4 * OUT
+          )
+        params, state = unreduced_step(params, state, *batch)
     results["unreduced"] = fetch(params)
+    results["unreduced_skipped"] = int(fetch(state.num_skipped))
     results["unreduced_step"] = int(fetch(state.step))
     results["reference"] = fetch(ref)
     results["process_count"] = jax.process_count()
     results["device_count"] = n_dev
     results["local_device_count"] = jax.local_device_count()
 
+    results["checkpoints"] = f"{args.out}.npz"
+    if jax.process_index() == 0:
+      np.savez(results["checkpoints"], **checkpoints)
     with open(args.out, "w") as f:
       json.dump(
         jax.tree.map(

@@ -5,7 +5,9 @@ GSPMD ``jit``, under ``shard_map`` + ``axis_name`` and under plain ``jit``
 with unreduced gradients + ``axis_name``, with the data sharded
 across the processes, and compares both with a big-batch reference. The
 processes talk over loopback (coordinator on 127.0.0.1, gloo collectives),
-are bounded by a timeout and are always killed at the end.
+are bounded by a timeout and are always killed at the end. The checkpoints
+the two processes write mid-cycle resume here, in one process on 2 devices
+(issue 69).
 """
 
 import json
@@ -15,8 +17,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
 
 WORKER = Path(__file__).with_name("_multiprocess_worker.py")
 HSDP_WORKER = Path(__file__).with_name("_multiprocess_hsdp_worker.py")
@@ -120,6 +129,119 @@ def test_processes_agree(results, recipe):
   for name in ("w", "b"):
     np.testing.assert_array_equal(
       results[0][recipe][name], results[1][recipe][name]
+    )
+
+
+# ----------------------------------------------------------------------------
+# Two processes' checkpoint, resumed in one (issue 69): the workers saved
+# their state (4 devices) at the boundary before the second cycle and in its
+# middle, after a skipped NaN micro-batch; here, on 2 devices, regrouped
+# with `regroup_state`, the run ends on the two processes' params.
+# ----------------------------------------------------------------------------
+
+RESUMED_ON = 2
+K = 2  # the worker's micro-batches per optimizer step
+SAVED_AFTER = {"boundary": K, "mid": K + 2}  # as the worker's calls count
+
+
+def _mean_loss(params, x, y, mask):
+  """The worker's loss: the mean over the real tokens, and their number."""
+  err = jnp.einsum("btd,do->bto", x, params["w"]) + params["b"][None, None]
+  tokens = jnp.sum(mask)
+  loss = jnp.sum(jnp.sum((err - y) ** 2, axis=-1) * mask)
+  return loss / jnp.maximum(tokens, 1.0), tokens
+
+
+def _resume_steps(recipe, tx, params):
+  """(target state, step) of `recipe` on this process's first 2 devices."""
+  devices = jax.devices()[:RESUMED_ON]
+  if recipe == "shard_map":
+    mesh = jax.make_mesh(
+      (RESUMED_ON,), ("data",), (AxisType.Auto,), devices=devices
+    )
+    specs = optax_accum.distributed.shard_map_specs(
+      jax.eval_shape(tx.init, params), "data"
+    )
+
+    def local_step(params, state, x, y, mask):
+      local = jax.lax.pcast(params, "data", to="varying")
+      grad, tokens = jax.grad(_mean_loss, has_aux=True)(local, x, y, mask)
+      state = optax_accum.distributed.drop_device_axis(state)
+      updates, state = tx.update(grad, state, params, weight=tokens)
+      state = optax_accum.distributed.add_device_axis(state)
+      return optax.apply_updates(params, updates), state
+
+    init = jax.shard_map(
+      lambda p: optax_accum.distributed.add_device_axis(tx.init(p)),
+      mesh=mesh,
+      in_specs=P(),
+      out_specs=specs,
+    )
+    step = jax.jit(
+      jax.shard_map(
+        local_step,
+        mesh=mesh,
+        in_specs=(P(), specs, P("data"), P("data"), P("data")),
+        out_specs=(P(), specs),
+      )
+    )
+    return jax.jit(init)(params), step
+  mesh = jax.make_mesh(
+    (RESUMED_ON,), ("data",), (AxisType.Explicit,), devices=devices
+  )
+  grad_fn = optax_accum.distributed.local_value_and_grad(
+    _mean_loss, has_weight=True
+  )
+
+  @jax.jit
+  def unreduced_step(params, state, x, y, mask):
+    (_, tokens), grads = grad_fn(params, x, y, mask)
+    updates, state = tx.update(grads, state, params, weight=tokens)
+    return optax.apply_updates(params, updates), state
+
+  def step(params, state, *batch):
+    with jax.set_mesh(mesh):
+      params = jax.device_put(params, NamedSharding(mesh, P()))
+      batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+      return unreduced_step(params, state, *batch)
+
+  with jax.set_mesh(mesh):
+    return tx.init(jax.device_put(params, NamedSharding(mesh, P()))), step
+
+
+@pytest.mark.parametrize("point", list(SAVED_AFTER))
+@pytest.mark.parametrize("recipe", ["shard_map", "unreduced"])
+def test_two_processes_checkpoint_resumes_in_one(results, recipe, point):
+  saved = np.load(results[0]["checkpoints"])
+  tx = optax_accum.accumulate(
+    optax.sgd(0.1, momentum=0.9), K, axis_name="data", skip_nonfinite=True
+  )
+  dim, out = saved["x"].shape[-1], saved["y"].shape[-1]
+  shapes = {
+    "w": np.zeros((dim, out), np.float32),
+    "b": np.zeros(out, np.float32),
+  }
+  target, step = _resume_steps(recipe, tx, shapes)
+  treedef = jax.tree.structure((shapes, target))
+  leaves = [saved[f"{recipe}/{point}/{n}"] for n in range(treedef.num_leaves)]
+  params, restored = jax.tree.unflatten(treedef, leaves)
+  if recipe == "shard_map":  # a partial sum for each of the 4 devices
+    assert restored.acc_scalars.shape[0] == 4
+  state = optax_accum.distributed.regroup_state(restored, target)
+  calls = [(0, 0), (0, 1), (1, 0), "nan", (1, 1)][SAVED_AFTER[point] :]
+  for call in calls:
+    if call == "nan":
+      data = (saved["nan_x"], saved["y"][1, 0], saved["mask"][1, 0])
+    else:
+      data = tuple(saved[a][call] for a in ("x", "y", "mask"))
+    params, state = step(params, state, *data)
+  assert int(np.asarray(state.step)) == 2
+  assert (
+    int(np.asarray(state.num_skipped)) == results[0][f"{recipe}_skipped"] == 1
+  )
+  for name in ("w", "b"):
+    np.testing.assert_allclose(
+      np.asarray(params[name]), results[0][recipe][name], rtol=1e-5, atol=1e-6
     )
 
 
