@@ -839,6 +839,7 @@ MUTANTS += [
 
 NNX_STATE = "tests/test_nnx_state.py"
 NNX_SHARDING = "tests/test_nnx_sharding.py"
+PARITY = "tests/test_dropin_parity.py"
 MUTANTS += [
   # -- The NNX drop-in's state as one Variable (issue 61). ------------------
   # -- Flax's own sharding recipes see every leaf (issue 67). --------------
@@ -877,6 +878,66 @@ MUTANTS += [
     [NNX_SHARDING, "-k", "get_partition_spec-logical"],
     "the drop-in's specs ignore nnx.logical_axis_rules: logical names where"
     " the stock class has mesh axes",
+  ),
+  # -- The drop-in takes what the stock class takes; load converts every
+  # MultiSteps checkpoint as it was (issue 68). ----------------------------
+  _m(
+    "nnx drop-in gives tx nested dicts only",
+    "flax/_nnx.py",
+    "    for as_state in (True, False):",
+    "    for as_state in (False,):",
+    [PARITY, "-k", "built_on_the_model"],
+    "a mask built on nnx.state(model): the drop-in refuses what the stock"
+    " class takes",
+  ),
+  _m(
+    "nnx load misses a stateless inner",
+    "flax/_nnx.py",
+    '{"mini_step", "gradient_step"} <= set(raw)',
+    '{"mini_step", "inner_opt_state"} <= set(raw)',
+    [PARITY, "-k", "stateless"],
+    "load of nnx.Optimizer(MultiSteps(sgd)): 'no opt_state.counters'",
+  ),
+  _m(
+    "from_multisteps ignores tx's reduction",
+    "multisteps.py",
+    '    mean = config.reduction == "mean"',
+    "    mean = True",
+    [PARITY, "-k", "use_grad_mean"],
+    "a use_grad_mean=False checkpoint: the partial sum multiplied by mini_step",
+  ),
+  _m(
+    "from_multisteps takes schedule(0)",
+    "multisteps.py",
+    "    k = _every_k.of_multisteps(config.every_k, step)",
+    "    k = fresh.every_k",
+    [PARITY, "-k", "schedule"],
+    "an every_k schedule: the open cycle ends early, every later boundary"
+    " moves",
+  ),
+  _m(
+    "nnx load rounds the inner state",
+    "flax/_nnx.py",
+    '  restored = _filled(target, raw, "opt_state", cast=False)',
+    '  restored = _filled(target, raw, "opt_state")',
+    [PARITY, "-k", "own_dtype"],
+    "a bfloat16 accumulator: Adam's float32 moments rounded on load",
+  ),
+  _m(
+    "nnx load takes a param named value for a Variable",
+    "flax/_nnx.py",
+    '  if isinstance(node, dict) and set(node) == {"value"} and key != "value":',
+    '  if isinstance(node, dict) and set(node) == {"value"}:',
+    [PARITY, "-k", "whatever_the_names"],
+    "load of its own checkpoint with a module named value: an error",
+  ),
+  _m(
+    "nnx load leaves the state on one device",
+    "flax/_nnx.py",
+    "    self.opt_state.set_value(trees.stored(_placed_like(state, current)))",
+    "    self.opt_state.set_value(trees.stored(state))",
+    [PARITY, "-k", "mesh"],
+    "after load, each leaf on one device, not with its param's sharding",
   ),
   _m(
     "nnx load keeps the fresh step",
@@ -968,6 +1029,31 @@ MUTANTS += [
     "bf16 params on a GPU with jax 0.10.2: 40 parameter-sized copies and"
     " 3.4x the accumulator's memory",
     venv=".venv-py311",
+  ),
+]
+
+RESUME = "tests/test_resume_devices.py"
+MUTANTS += [
+  # -- Resuming on another number of devices (issue 69). --------------------
+  _m(
+    "drop_device_axis takes row 0 of a state of more devices",
+    "distributed/_layout.py",
+    "  _check_one_row(opt_state)\n",
+    "",
+    [RESUME, "-k", "refused"],
+    "a mid-cycle checkpoint of 8 devices resumed on 4 without regroup_state:"
+    " no error, one device's partial sums of each pair lost (66% of the"
+    " step wrong)",
+  ),
+  _m(
+    "regroup_state drops the regrouped weights",
+    "distributed/_layout.py",
+    '    acc_scalars=over(local, "acc_scalars", state.acc_scalars,'
+    " like.acc_scalars),\n",
+    "    acc_scalars=like.acc_scalars,\n",
+    [RESUME, "-k", "another_device_count and mid"],
+    "a checkpoint resumed on other devices mid-cycle: the weight of the"
+    " micro-batches before it lost, the cycle's mean gradient too large",
   ),
 ]
 

@@ -276,10 +276,12 @@ def reduce_state(opt_state: Any) -> Any:
   data axis; on jax 0.10.2 such an array cannot be copied to the host and
   Orbax refuses to save it. This returns the same state with each such leaf
   replaced by its sum over the devices (one all-reduce per leaf), laid out
-  like the params. To go on from it, put it back with the state's own
-  shardings: ``jax.device_put(restored, optax_accum.distributed.state_shardings(tx,
-  params))`` places the whole sum on the first device of the data axis and
-  zeros on the others (no communication).
+  like the params: a state of no device count, which resumes on any. To go
+  on from it, :func:`regroup_state` ``(restored, tx.init(params))`` under
+  the mesh places the whole sum on the first device of the data axis and
+  zeros on the others (no communication), from host arrays too, which
+  ``jax.device_put(restored, state_shardings(tx, params))`` refuses
+  (``device_indices_map doesn't work with unreduced``).
 
   The resumed run gives the uninterrupted run's updates up to float
   rounding: the saved sum is added to the later micro-batches in another
@@ -391,8 +393,12 @@ def _replicated(x: Any, rows: int | None, wanted: int | None, name: str) -> Any:
 
 
 def _concrete_sharding(like: Any) -> jax.sharding.Sharding | None:
-  """The sharding to place a leaf like `like` on: an array's, or a
-  ``jax.ShapeDtypeStruct``'s where it names devices; None otherwise."""
+  """The sharding to place a leaf like `like` on: a committed array's, or
+  a ``jax.ShapeDtypeStruct``'s where it names devices; None otherwise (an
+  uncommitted array, such as the copies ``jnp.stack`` makes for ``pmap``,
+  leaves the placing to the step)."""
+  if isinstance(like, jax.Array) and not like.committed:
+    return None
   sharding = getattr(like, "sharding", None)
   if not isinstance(sharding, jax.sharding.Sharding):
     return None
@@ -463,6 +469,8 @@ def _regroup_accumulate(
 
   def local(x: Any, t: Any, where: str) -> Any:
     _check_leaf(x, t, where, have.local, want.local)
+    if is_open and have.local == want.local:  # as many rows: as they are
+      return _placed(x, t)
     if is_open:
       return _placed(_regrouped(x, have.local, want.local), t)
     return _placed(np.zeros(np.shape(t), t.dtype), t)
@@ -556,10 +564,12 @@ def regroup_state(opt_state: Any, target: Any) -> Any:
     (``device_indices_map doesn't work with unreduced``): this places each
     sum on the first device of the data axis and zeros on the others.
 
-  Each leaf is placed as `target`'s is (its sharding, where it is an array
-  or a ``jax.ShapeDtypeStruct`` with a sharding on devices), else returned
-  as a NumPy array. A regrouped leaf passes through the host, gathered from
-  every process where it spans several.
+  Each leaf is placed as `target`'s is (its sharding, where it is a
+  committed array or a ``jax.ShapeDtypeStruct`` with a sharding on
+  devices), else returned as it is or, where regrouped, as a NumPy array.
+  A regrouped leaf passes through the host, gathered from every process
+  where it spans several; a device-local leaf of as many rows as wanted,
+  and a replicated one, does not.
 
   Args:
     opt_state: The restored optimizer state (host or device arrays): an

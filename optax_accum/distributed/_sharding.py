@@ -118,7 +118,9 @@ def state_shardings(
   lives. Pass them to ``jax.jit(tx.init, out_shardings=...)`` (a jitted
   ``init`` does not see the params' shardings: its zeros do not depend on the
   params), to ``jax.device_put`` or to a checkpoint restore as the target
-  layout. ``tx.update`` under ``jit`` then keeps them: the accumulator and
+  layout. (``jax.device_put`` of host arrays to an unreduced sharding
+  raises ``NotImplementedError``; a restored state goes through
+  :func:`regroup_state`, which places it, on any number of devices.) ``tx.update`` under ``jit`` then keeps them: the accumulator and
   the inner state are computed from arrays sharded like the params.
 
   Args:
