@@ -601,7 +601,7 @@ def regroup_state(opt_state: Any, target: Any) -> Any:
     >>> params = jnp.zeros(2)
     >>> def replicas(n):  # one copy of the state per device
     ...   return jax.tree.map(lambda a: jnp.stack([a] * n), tx.init(params))
-    >>> grads = jnp.arange(1.0, 9.0)[:, None] * jnp.ones(2)  # device d: d+1
+    >>> grads = jnp.outer(jnp.arange(1.0, 9.0), jnp.ones(2))  # device d: d+1
     >>> update = jax.vmap(tx.update, (0, 0, None), axis_name="data")
     >>> _, saved = update(grads, replicas(8), params)
     >>> state = optax_accum.distributed.regroup_state(saved, replicas(4))
