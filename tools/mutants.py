@@ -1042,8 +1042,8 @@ MUTANTS += [
     "",
     [RESUME, "-k", "refused"],
     "a mid-cycle checkpoint of 8 devices resumed on 4 without regroup_state:"
-    " no error, one device's partial sums of each pair lost (66% of the"
-    " step wrong)",
+    " no error, one device's partial sums of each pair lost (the guide's"
+    " sgd step 42% off in norm)",
   ),
   _m(
     "regroup_state drops the regrouped weights",
