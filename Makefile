@@ -159,10 +159,12 @@ $(PY311_STAMP): constraints/py311.txt
 # (issue 60: its XLA copies a program jax 0.12's does not): the programs for
 # one H100 (the traced step, f32/bf16/weight=, the emitting step, the
 # recipes; OPTAX_ACCUM_ACCEL_SCOPE=one_h100 deselects those of several
-# devices, held on the newest jax).
+# devices, held on the newest jax). And Flax's sharding recipes with the NNX
+# drop-in on its flax (tests/test_nnx_sharding.py, issue 67: flax 0.12.8).
 PY311_ACCEL := $(PY311_VENV)/accel
 PY311_ACCEL_STAMP := $(PY311_ACCEL)/.installed
-PY311_TESTS := $(CORE_TESTS) tests/test_accelerators.py tests/test_recipes.py
+PY311_TESTS := $(CORE_TESTS) tests/test_accelerators.py tests/test_recipes.py \
+  tests/test_nnx_sharding.py
 
 $(PY311_ACCEL_STAMP): $(PY311_STAMP)
 	rm -rf $(PY311_ACCEL)

@@ -456,7 +456,7 @@ def not_a_foreign_restore(value: Any) -> None:
     " missing fields from the target. An optax.MultiSteps checkpoint:"
     " restore it into optax_accum.multisteps.restore_target(tx, params),"
     " then convert with optax_accum.multisteps.from_multisteps(ms_state,"
-    " tx.init(params)); into an optax_accum.flax.Optimizer,"
+    " tx.init(params), tx=tx); into an optax_accum.flax.Optimizer,"
     " `optimizer.load(restored_optimizer)` does both in one call. An"
     " optax_accum 0.2 checkpoint: restore it into"
     " optax_accum.upgrade.v0_2_target(tx, params), then convert with"

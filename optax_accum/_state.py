@@ -533,6 +533,23 @@ def swap_state(tree: Any, old: Any, new: Any) -> Any:
   )
 
 
+def placed_like(tree: Any, like: Any) -> Any:
+  """`tree`'s leaves on the devices of `like`'s (a restored state beside a
+  fresh one made on a mesh), where both are concrete."""
+
+  def place(x, y):
+    concrete = not isinstance(x, jax.core.Tracer)
+    if (
+      concrete
+      and isinstance(y, jax.Array)
+      and not isinstance(y, jax.core.Tracer)
+    ):
+      return jax.device_put(x, y.sharding)
+    return x
+
+  return jax.tree.map(place, tree, like)
+
+
 def has_updated(opt_state: optax.OptState) -> jax.Array:
   """Whether the most recent ``update`` call emitted a real update.
 

@@ -54,7 +54,7 @@ run goes on where it stopped, mid-cycle too::
 
   tx = optax_accum.accumulate(inner, every_k=k)
   ms_state = checkpointer.restore(path, restore_target(tx, params))
-  state = from_multisteps(ms_state, tx.init(params))
+  state = from_multisteps(ms_state, tx.init(params), tx=tx)
 
 :func:`to_multisteps` goes back. Restored the old way, into an
 ``accumulate`` target, each route does this (``tests/test_restores.py``):
@@ -109,7 +109,7 @@ import numpy as np
 import optax
 
 from optax_accum import _accumulate, _checks, _every_k
-from optax_accum._state import find_state, swap_state
+from optax_accum._state import find_state, placed_like, swap_state
 
 __all__ = (
   "check_restored",
@@ -174,7 +174,7 @@ def restore_target(
     >>> target = multisteps.restore_target(tx, params)
     >>> restored = jax.tree.unflatten(  # your checkpointer's restore
     ...   jax.tree.structure(target), jax.tree.leaves(saved))
-    >>> state = multisteps.from_multisteps(restored, tx.init(params))
+    >>> state = multisteps.from_multisteps(restored, tx.init(params), tx=tx)
     >>> print(state.micro_step, state.acc_grads)
     1 [2. 4.]
   """
@@ -299,7 +299,19 @@ def from_multisteps(
   fresh = find_state(target, "from_multisteps")
   _same_tree("inner_opt_state", ms_state.inner_opt_state, fresh.inner_state)
   _same_tree("acc_grads", ms_state.acc_grads, fresh.acc_grads)
-  step = jnp.asarray(ms_state.gradient_step, jnp.int32)
+  # The restored values on the target's devices (a mesh's, for a state made
+  # under jax.set_mesh): the state packs them beside the target's own.
+  ms_state = ms_state._replace(
+    mini_step=placed_like(
+      jnp.asarray(ms_state.mini_step, jnp.int32), fresh.micro_step
+    ),
+    gradient_step=placed_like(
+      jnp.asarray(ms_state.gradient_step, jnp.int32), fresh.step
+    ),
+    acc_grads=placed_like(ms_state.acc_grads, fresh.acc_grads),
+    inner_opt_state=placed_like(ms_state.inner_opt_state, fresh.inner_state),
+  )
+  step = ms_state.gradient_step
   k = fresh.every_k
   mean = True
   if tx is not None:
@@ -310,7 +322,7 @@ def from_multisteps(
     mean = use_grad_mean
   if every_k is not None:
     k = jnp.asarray(every_k, jnp.int32)
-  n = jnp.asarray(ms_state.mini_step, jnp.int32)
+  n = ms_state.mini_step
   scale = n.astype(jnp.float32) if mean else jnp.float32(1)
   acc = jax.tree.map(
     lambda m, a: (m.astype(jnp.float32) * scale).astype(a.dtype),
@@ -397,7 +409,7 @@ _RESTORE_FIX = (
   " `optax_accum.multisteps.restore_target(tx, params)` is that target for"
   " the opt_state, and"
   " `optax_accum.multisteps.from_multisteps(restored_opt_state,"
-  " tx.init(params))` continues the run (mid-cycle too); into an"
+  " tx.init(params), tx=tx)` continues the run (mid-cycle too); into an"
   " optax_accum.flax.Optimizer, `optimizer.load(restored_optimizer)` does"
   " both in one call. See help(optax_accum.multisteps)."
 )

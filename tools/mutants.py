@@ -934,7 +934,7 @@ MUTANTS += [
   _m(
     "nnx load leaves the state on one device",
     "flax/_nnx.py",
-    "    self.opt_state.set_value(trees.stored(_placed_like(state, current)))",
+    "    self.opt_state.set_value(trees.stored(_state.placed_like(state, current)))",
     "    self.opt_state.set_value(trees.stored(state))",
     [PARITY, "-k", "mesh"],
     "after load, each leaf on one device, not with its param's sharding",
@@ -942,7 +942,7 @@ MUTANTS += [
   _m(
     "nnx load keeps the fresh step",
     "flax/_nnx.py",
-    '    self.step[...] = jnp.asarray(saved["step"], jnp.uint32)',
+    "    self.step.set_value(_state.placed_like(step, self.step.get_value()))",
     "    pass",
     [NNX_STATE, "-k", "another_layout_comes_in"],
     "Optimizer.load: optimizer.step restarts at 0",
@@ -950,8 +950,8 @@ MUTANTS += [
   _m(
     "nnx load reads integer keys only",
     "flax/_nnx.py",
-    "    names = (key.idx, str(key.idx))",
-    "    names = (key.idx,)",
+    "  return (key.idx, str(key.idx))",
+    "  return (key.idx,)",
     [NNX_STATE, "-k", "another_layout_comes_in"],
     "Optimizer.load of a msgpack checkpoint (string indices): an error",
   ),

@@ -88,7 +88,7 @@ _FIX = (
   " `state.replace(opt_state=optax_accum.multisteps.restore_target("
   "state.tx, state.params))`, then continue with"
   " `restored.replace(opt_state=optax_accum.multisteps.from_multisteps("
-  "restored.opt_state, state.opt_state))`. See"
+  "restored.opt_state, state.opt_state, tx=state.tx))`. See"
   " help(optax_accum.multisteps)."
 )
 

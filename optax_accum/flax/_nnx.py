@@ -423,9 +423,9 @@ class Optimizer(nnx.Optimizer):
       state = _from_stock_multisteps(self.tx, current, raw)
     else:
       state = _filled(current, raw, "opt_state")
-    self.opt_state.set_value(trees.stored(_placed_like(state, current)))
+    self.opt_state.set_value(trees.stored(_state.placed_like(state, current)))
     step = _filled(self.step.get_value(), saved["step"], "step")
-    self.step.set_value(_placed_like(step, self.step.get_value()))
+    self.step.set_value(_state.placed_like(step, self.step.get_value()))
 
 
 # ----------------------------------------------------------------------------
@@ -494,17 +494,6 @@ def _filled(template: Any, raw: Any, where: str, *, cast: bool = True) -> Any:
   return jax.tree.unflatten(treedef, leaves)
 
 
-def _placed_like(tree: Any, like: Any) -> Any:
-  """`tree`'s leaves on the devices of `like`'s (a param's sharding)."""
-
-  def place(x, y):
-    if isinstance(y, jax.Array) and not isinstance(y, jax.core.Tracer):
-      return jax.device_put(x, y.sharding)
-    return x
-
-  return jax.tree.map(place, tree, like)
-
-
 def _from_stock_multisteps(tx: Any, current: Any, raw: dict) -> Any:
   """The state that continues a stock ``nnx.Optimizer(MultiSteps)`` run."""
   from optax_accum import multisteps  # noqa: PLC0415  (restores only)
@@ -519,9 +508,9 @@ def _from_stock_multisteps(tx: Any, current: Any, raw: dict) -> Any:
       " into an Optimizer whose tx is the optax_accum.accumulate that"
       " replaces it (not a chain around one)."
     ) from e
-  # The inner state as this optimizer holds it, made from the params in
-  # their own dtypes (the zeros above are in the accumulator's).
-  target = target._replace(inner_opt_state=fresh.inner_state)
+  # In the checkpoint's own dtypes: the target's inner state is made from
+  # the zeros above, in the accumulator's dtype; from_multisteps casts each
+  # leaf to this optimizer's own.
   restored = _filled(target, raw, "opt_state", cast=False)
   return multisteps.from_multisteps(restored, current, tx=tx)
 
