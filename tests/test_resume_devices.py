@@ -153,9 +153,6 @@ class ShardMap:
     del n
     return jax.device_get((params, state))
 
-  def splits(self, n):
-    return n
-
 
 class Pmap:
   """docs/guides/scaling_pmap.md: every leaf stacked, one row a device."""
@@ -188,9 +185,6 @@ class Pmap:
     del n
     first = jax.tree.map(lambda a: np.asarray(a[0]), params)
     return first, jax.device_get(state)
-
-  def splits(self, n):
-    return n
 
 
 class Unreduced:
@@ -251,9 +245,6 @@ class Unreduced:
       state = optax_accum.distributed.reduce_state(state)
     return jax.device_get((params, state))
 
-  def splits(self, n):
-    return n
-
 
 class Hsdp(Unreduced):
   """docs/guides/scaling_hsdp.md: n replicas of 2 devices; the params
@@ -282,9 +273,6 @@ class Hsdp(Unreduced):
       return mean_loss(gathered, x, y, mask)
 
     return fsdp_loss
-
-  def splits(self, n):
-    return n  # a sample is a replica's share
 
 
 ENGINES = {e.name: e for e in (ShardMap(), Pmap(), Unreduced(), Hsdp())}
@@ -412,20 +400,17 @@ def test_a_checkpoint_resumes_on_another_device_count(engine, n, m, point):
       np.any(leaf) for leaf in jax.tree.leaves(regrouped.acc_buffer)
     )
     assert not np.any(regrouped.acc_scalars)
-  # The cycle's samples: n devices' shares before the checkpoint, m's after.
+  # The cycle's samples: n devices' shares before the checkpoint, m's after
+  # (HSDP: a replica's share is a sample).
   cycle_params = saved["boundary"][0]
-  eng = ENGINES[engine]
-  before = eng.splits(n)
-  splits = {
-    i: before if i < SAVED_AFTER[point] else eng.splits(m) for i in CYCLE_2
-  }
+  splits = {i: n if i < SAVED_AFTER[point] else m for i in CYCLE_2}
   np.testing.assert_allclose(
     _noise(state), cycle_estimate(cycle_params, splits), rtol=1e-4
   )
   # The oracle is the uninterrupted run's estimate, with n's shares.
   np.testing.assert_allclose(
     _noise(expected),
-    cycle_estimate(cycle_params, dict.fromkeys(CYCLE_2, before)),
+    cycle_estimate(cycle_params, dict.fromkeys(CYCLE_2, n)),
     rtol=1e-4,
   )
 
@@ -524,6 +509,13 @@ def test_regroup_state_sums_rows_onto_fewer_and_spreads_them_onto_more():
   one = optax_accum.distributed.regroup_state(eight, _state_of())
   np.testing.assert_array_equal(one.acc_buffer["w"], np.full((DIM, OUT), 36.0))
   assert int(one.micro_step) == 1
+  # An abstract target gives the layout only: host arrays.
+  shapes = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _state_of(n=2)
+  )
+  two = optax_accum.distributed.regroup_state(eight, shapes)
+  np.testing.assert_array_equal(two.acc_scalars[:, 0], [10, 26])
+  assert isinstance(two.acc_scalars, np.ndarray)
 
 
 def test_regroup_state_raises_naming_what_differs():

@@ -25,6 +25,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -376,7 +377,7 @@ def _replicated(x: Any, rows: int | None, wanted: int | None, name: str) -> Any:
   if rows is not None:
     copies = _on_host(x)
     same = copies == copies[:1]
-    if jax.numpy.issubdtype(copies.dtype, jax.numpy.inexact):
+    if jnp.issubdtype(copies.dtype, jnp.inexact):
       same |= np.isnan(copies) & np.isnan(copies[:1])
     if not same.all():
       raise ValueError(
@@ -511,10 +512,10 @@ def _replicated_leaf(
 
 
 def _check_structure(opt_state: Any, target: Any) -> None:
-  have = jax.tree_util.tree_flatten_with_path(opt_state)[0]
-  want = jax.tree_util.tree_flatten_with_path(target)[0]
   if jax.tree.structure(opt_state) == jax.tree.structure(target):
     return
+  have = jax.tree_util.tree_flatten_with_path(opt_state)[0]
+  want = jax.tree_util.tree_flatten_with_path(target)[0]
   have_paths = [jax.tree_util.keystr(p) for p, _ in have]
   want_paths = [jax.tree_util.keystr(p) for p, _ in want]
   missing = [p for p in want_paths if p not in have_paths]
