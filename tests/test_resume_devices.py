@@ -437,6 +437,24 @@ def test_a_checkpoint_moves_to_another_engine(engine, n, other, m):
   )
 
 
+@needs_unreduced
+def test_a_live_unreduced_state_moves_to_fewer_devices():
+  """No checkpoint: the unreduced state of 8 devices itself, typed
+  unreduced (which jax cannot copy to the host), is summed and placed on 4,
+  outside any mesh context."""
+  eng = ENGINES["jit"]
+  params, state = eng.init(8, PARAMS0)
+  for call in CALL_DATA[: SAVED_AFTER["mid"]]:
+    params, state = eng.step(8, params, state, call)
+  params, target = eng.init(4, jax.device_get(params))
+  state = optax_accum.distributed.regroup_state(state, target)
+  for call in CALL_DATA[SAVED_AFTER["mid"] :]:
+    params, state = eng.step(4, params, state, call)
+  _, (expected_params, expected) = uninterrupted("jit", 8)
+  params, state = eng.save(4, params, state)
+  _assert_ends_as(state, params, expected, expected_params)
+
+
 # What a user sees without `regroup_state`: an error that says what to do, or
 # (where shard_map or pmap refuses the state first) jax's own, never a run
 # that goes on without some devices' sums.
