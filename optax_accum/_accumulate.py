@@ -667,8 +667,12 @@ def _add(
   # the add (cuBLAS only with no scale).
   term = dict(ops=engine, weight=weight if scale else None, keep=keep)
   if config.rounding == "stochastic":
+    # Only bfloat16 leaves round: a complex gradient keeps a complex
+    # accumulator (and an integer one its own), which rounds as it adds.
     acc = jax.tree.map(
-      lambda a, g, key: add_term(a, g, **term, key=key),
+      lambda a, g, key: add_term(
+        a, g, **term, key=key if a.dtype == jnp.bfloat16 else None
+      ),
       start,
       grads,
       _rounding_keys(engine, state, start),
@@ -880,12 +884,7 @@ def _decide_on_device(
   accelerator = decide
   if narrow and cycle.params is not None and not _control.LATER_BRANCHES_COPY:
     accelerator = functools.partial(_apply_inside, config, engine, inner)
-  small = engine.axis_name is None and (
-    sum(
-      a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(cycle.acc)
-    )
-    < _control.SELECTS_BELOW_BYTES
-  )
+  small = _control.decides_with_selects(engine.axis_name, cycle.acc)
   return _per_backend(
     cycle,
     cpu=decide,

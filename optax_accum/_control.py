@@ -72,6 +72,25 @@ def varies_over(tree: Any, axis_name: Hashable) -> bool:
   return any(names & varying_axes(jax.typeof(x)) for x in jax.tree.leaves(tree))
 
 
+def vma_checked() -> bool:
+  """Whether the ``shard_map`` being traced checks varying manual axes
+  (its ``check_vma=True``, the default). With ``check_vma=False`` every
+  value's :func:`varying_axes` is empty whatever it varies over, so the
+  callers take every manual axis of the mesh instead
+  (:func:`manual_axes`). jax has no public reader: its own flag,
+  ``jax._src.config._check_vma``, seen from jax 0.7.1 to 0.12.0.1 (where
+  it is missing, True: the axes then come from the values' types)."""
+  from jax._src import config  # noqa: PLC0415  (no public reader)
+
+  flag = getattr(config, "_check_vma", None)
+  return True if flag is None else bool(flag.value)
+
+
+def manual_axes() -> frozenset:
+  """The manual axes of the mesh being traced (inside ``shard_map``)."""
+  return frozenset(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+
+
 def switch(index: Any, branches: Sequence[Callable], *operands: Any):
   """``lax.switch`` whose branches may differ in the axes their outputs vary
   over.
@@ -252,6 +271,21 @@ LATER_BRANCHES_COPY = not _versions.jax_at_least("0.11.1")
 #: ``tests/test_accelerators.py`` (the tiny step compiled for an H100 has no
 #: conditional, the 64 MiB one keeps it; plant ``selects_everywhere``).
 SELECTS_BELOW_BYTES = 1 << 20
+
+
+def decides_with_selects(axis_name: Hashable | None, acc: Any) -> bool:
+  """Whether a GPU program of this call ends a cycle with selects: one
+  device (no `axis_name`) and an accumulator below
+  :data:`SELECTS_BELOW_BYTES`. With `axis_name` never: the selects would
+  run the emitting branch's reduction on every micro-step (k times the
+  communication the deferred reduction promises), whatever the size. Held
+  by ``tests/test_accelerators.py`` (a small state compiled for 8 H100s
+  keeps its conditional and its one reduction inside; plant
+  ``selects_with_axis_name``)."""
+  if axis_name is not None:
+    return False
+  size = sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(acc))
+  return size < SELECTS_BELOW_BYTES
 
 
 def random_bits(shape: Sequence[int], key: jax.Array) -> jax.Array:

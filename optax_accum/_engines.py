@@ -43,11 +43,16 @@ class ShardMap(Local):
 
   def agree(self, reduce: Callable, flag: jax.Array) -> jax.Array:
     """`flag` reduced with `reduce` (``lax.pmin``, ``lax.pmax``) over
-    `axis_name` and every other manual axis it varies over: replicas must
-    agree on what is skipped and on when a cycle ends, and so must the
-    devices that hold shards of one replica's gradient (HSDP)."""
+    `axis_name` and every other manual axis it varies over (with
+    ``check_vma=False``, where no value says, every manual axis of the
+    mesh): replicas must agree on what is skipped and on when a cycle ends,
+    and so must the devices that hold shards of one replica's gradient
+    (HSDP)."""
     axes = set(_control.axis_tuple(self.axis_name))
-    axes |= _control.varying_axes(jax.typeof(flag))
+    if _control.vma_checked():
+      axes |= _control.varying_axes(jax.typeof(flag))
+    else:  # no value says what it varies over: every manual axis
+      axes |= _control.manual_axes()
     return reduce(flag.astype(jnp.int32), tuple(sorted(axes, key=str))) > 0
 
   def reduce(self, acc, scalars, *, per_leaf, specs):

@@ -118,19 +118,41 @@ def sq_norm(tree: Any, scale: Any = 1.0, sample_axes: Any = None) -> jax.Array:
   HSDP: params sharded over ``"fsdp"``): its sum of squares is added over
   those axes with a scalar ``psum``, so that the norm is the whole
   array's. A leaf the same on those axes (a replicated bias) counts once.
+  With ``check_vma=False`` no value says what it varies over:
+  :func:`_over_unknown_shards` tells the shards by their sums.
   """
-  total = jnp.zeros([], jnp.float32)
+  sums = []
   for x in jax.tree.leaves(tree):
     x = jnp.abs(x) if jnp.iscomplexobj(x) else jnp.asarray(x)
-    leaf = jnp.sum(jnp.square(x.astype(jnp.float32) * scale))
+    sums.append(jnp.sum(jnp.square(x.astype(jnp.float32) * scale)))
+  own = frozenset(_control.axis_tuple(sample_axes or ()))
+  if sample_axes is not None and not _control.vma_checked():
+    others = _control.manual_axes() - own
+    if others and sums:
+      return _over_unknown_shards(jnp.stack(sums), others)
+  total = jnp.zeros([], jnp.float32)
+  for leaf in sums:
     if sample_axes is not None:
-      shards = _control.varying_axes(jax.typeof(leaf)) - frozenset(
-        _control.axis_tuple(sample_axes)
-      )
+      shards = _control.varying_axes(jax.typeof(leaf)) - own
       if shards:
         leaf = lax.psum(leaf, tuple(sorted(shards)))
     total += leaf
   return total
+
+
+def _over_unknown_shards(sums: jax.Array, axes: frozenset) -> jax.Array:
+  """The leaves' sums of squares (`sums`, one each) added over the manual
+  `axes` where a leaf is sharded over them, under ``check_vma=False``: a
+  sum the same on every device of an axis is a replicated leaf's, counted
+  once; one that differs is a shard's, added over the axis (three scalar
+  collectives per axis, one vector of the leaves each). An array split into
+  shards of bitwise-equal sums would be taken for a replicated one; a
+  gradient's shards are not (zeros excepted, which add nothing either
+  way)."""
+  for axis in sorted(axes, key=str):
+    same = lax.pmax(sums, axis) == lax.pmin(sums, axis)
+    sums = jnp.where(same, sums, lax.psum(sums, axis))
+  return jnp.sum(sums)
 
 
 def add_micro_batch(

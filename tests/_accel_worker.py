@@ -112,6 +112,12 @@ PLANTS = {
   # Selects at every size on a GPU, and a conditional at every size.
   "selects_everywhere": (_control, "SELECTS_BELOW_BYTES", 1 << 62),
   "conditional_everywhere": (_control, "SELECTS_BELOW_BYTES", 0),
+  # Selects under axis_name too (issue 70: the reduction on every call).
+  "selects_with_axis_name": (
+    _control,
+    "decides_with_selects",
+    lambda axis_name, acc: True,
+  ),
   # The three-branch switch of `_apply_inside` on every jax, 0.10.2's too.
   "switch_on_every_xla": (_control, "LATER_BRANCHES_COPY", False),
   "add_in_branches": [

@@ -51,6 +51,16 @@ SMALL_WIDTH = 128
 TPU_WIDTH = 1024
 
 
+# Issue 70: a state below _control.SELECTS_BELOW_BYTES on several devices
+# (the tiny model's 4 x 128^2 float32): each engine, 8 H100s and a TPU.
+SMALL_ON_SEVERAL = {
+  f"{H100X8}/shard_map/small": dict(target=H100X8, engine="shard_map"),
+  f"{H100X8}/unreduced/small": dict(target=H100X8, engine="unreduced"),
+  f"hsdp/{H100X8}/small": dict(target=H100X8, engine="hsdp"),
+  f"{TPU}/shard_map/small": dict(target=TPU, engine="shard_map"),
+}
+
+
 def _requests():
   out = {}
   # One H100, the local engine.
@@ -171,6 +181,17 @@ def _requests():
   )
   out["h100/plant/selects_everywhere"] = _request(
     "selects_everywhere", target=H100, apply="accum"
+  )
+  # Issue 70: a small state on several devices keeps the engine's promise
+  # (one reduction per cycle, inside the emitting branch) on every target.
+  for key, case in SMALL_ON_SEVERAL.items():
+    out[key] = _request(apply="accum", width=SMALL_WIDTH, **case)
+  out[f"{H100X8}/shard_map/small/plant/selects_with_axis_name"] = _request(
+    "selects_with_axis_name",
+    target=H100X8,
+    engine="shard_map",
+    apply="accum",
+    width=SMALL_WIDTH,
   )
   # Issue 62: a bf16 accumulator rounded to nearest and stochastically.
   for rounding in ("nearest", "stochastic"):
@@ -834,6 +855,46 @@ def test_a_large_state_keeps_its_conditional(facts):
   assert inner_only_inside_a_conditional(large) is None
   planted = facts["h100/plant/selects_everywhere"]
   assert inner_only_inside_a_conditional(planted) is not None
+
+
+def reduces_once_in_the_emitting_branch(f, across=None):
+  """A conditional keeps the inner optimizer to the emitting branch, and
+  every reduction of 1 KiB or more across the devices that defer (those of
+  the axis `across`: "replica" for HSDP, whose "fsdp" reduce-scatter runs
+  on every call, as FSDP's does) sits in it."""
+  wrong = inner_only_inside_a_conditional(f)
+  if wrong:
+    return wrong
+  deferred = [
+    c
+    for c in f["collectives"]
+    if c["opcode"] in ("all-reduce", "reduce-scatter")
+    and c["bytes"] >= 1024
+    and (across is None or across in c["axes"])
+  ]
+  outside = [c for c in deferred if c["where"] != "emitting"]
+  if not deferred or outside:
+    return (
+      f"deferred reductions {deferred}, outside the emitting branch {outside}"
+    )
+  return None
+
+
+@pytest.mark.parametrize("key", list(SMALL_ON_SEVERAL))
+def test_a_small_state_on_several_devices_keeps_its_conditional(facts, key):
+  """Which form where: below the threshold, one GPU decides with selects
+  (above); on several devices, whatever the size, the engine's promise
+  comes first: a conditional, and the one reduction of the cycle inside its
+  emitting branch (the selects would run it on every micro-step, k times
+  the communication). The plant (selects whatever axis_name) loses it."""
+  f = facts[key]
+  across = "replica" if key.startswith("hsdp") else None
+  assert f["accumulator_bytes"] < _control.SELECTS_BELOW_BYTES
+  wrong = reduces_once_in_the_emitting_branch(f, across)
+  assert wrong is None, wrong
+  if key.startswith(H100X8):
+    planted = facts[f"{H100X8}/shard_map/small/plant/selects_with_axis_name"]
+    assert reduces_once_in_the_emitting_branch(planted) is not None
 
 
 # ----------------------------------------------------------------------------

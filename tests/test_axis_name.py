@@ -235,7 +235,11 @@ def test_static_cycle_equals_global_big_batch_mean(runner):
     np.testing.assert_allclose(params[name][0], ref[name], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("runner", RUNNERS)
+# The devices' agreement under shard_map's check_vma=False too (issue 70).
+AGREEING = [*RUNNERS, "shard_map_no_vma"]
+
+
+@pytest.mark.parametrize("runner", AGREEING)
 def test_skip_nonfinite_with_nan_on_one_device_keeps_replicas_identical(
   runner,
 ):
@@ -273,7 +277,7 @@ def test_skip_nonfinite_with_nan_on_one_device_keeps_replicas_identical(
     np.testing.assert_allclose(params[name][0], ref[name], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("runner", AGREEING)
 def test_flush_on_one_device_flushes_every_device(runner):
   """`flush=True` on device 2 alone ends the cycle on all devices, with the
   mean over what was accumulated (2 of 4 micro-steps)."""

@@ -391,10 +391,12 @@ def test_fsdp_reducing_every_call_fails_the_check():
 # ----------------------------------------------------------------------------
 
 
-def _shard_map_train(tx, batches, *, sharded=True):
+def _shard_map_train(tx, batches, *, sharded=True, check_vma=True):
   """HSDP written by hand inside shard_map: all-gather the params over
   fsdp, the local gradient reduce-scattered over fsdp, deferred over
-  replica by `tx`; token-weighted. `sharded=False`: params replicated."""
+  replica by `tx`; token-weighted. `sharded=False`: params replicated. A
+  batch's "bad" rows put an Inf in the shard of w1's gradient of the
+  devices that hold them (after the reduce-scatter: those devices only)."""
   mesh = jax.make_mesh((REPLICAS, FSDP), ("replica", "fsdp"))
   specs = SPECS if sharded else {key: P() for key in SPECS}
   params = jax.device_put(
@@ -440,6 +442,11 @@ def _shard_map_train(tx, batches, *, sharded=True):
     tokens = jax.lax.psum(tokens, "fsdp")
     g = {k: reduce_over_fsdp(x, specs[k]) for k, x in g.items()}
     g = jax.tree.map(lambda x: x / jnp.maximum(tokens, 1.0), g)
+    if "bad" in batch:
+      bad = jnp.any(batch["bad"] > 0)
+      if not sharded:  # w1 whole on each device of the replica: on each
+        bad = jax.lax.pmax(bad, "fsdp")
+      g["w1"] = g["w1"].at[0, 0].add(jnp.where(bad, jnp.inf, 0.0))
     # The noise scale (noise=True) is measured by `tx` from the shards.
     u, state = tx.update(
       g, optax_accum.distributed.drop_device_axis(state), params, weight=tokens
@@ -454,6 +461,7 @@ def _shard_map_train(tx, batches, *, sharded=True):
       mesh=mesh,
       in_specs=(specs, state_specs, rows),
       out_specs=(specs, state_specs),
+      check_vma=check_vma,
     )
   )
   init = jax.jit(
@@ -462,6 +470,7 @@ def _shard_map_train(tx, batches, *, sharded=True):
       mesh=mesh,
       in_specs=(specs,),
       out_specs=state_specs,
+      check_vma=check_vma,
     )
   )
   state = init(params)
@@ -510,6 +519,46 @@ def test_shard_map_hsdp_options_give_the_replicated_run(option):
   _close(params, ref, atol=1e-6, rtol=1e-5)
   assert int(state.num_skipped) == int(ref_state.num_skipped) == (not noise)
   if noise:
+    np.testing.assert_allclose(
+      np.asarray(optax_accum.noise_scale(state)),
+      np.asarray(optax_accum.noise_scale(ref_state)),
+      rtol=1e-4,
+    )
+
+
+@pytest.mark.parametrize("option", ["skip", "noise"])
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no_vma"])
+def test_shard_map_hsdp_agrees_on_every_device_whatever_check_vma(
+  check_vma, option
+):
+  """With check_vma=True and with check_vma=False (where no value's type
+  says which axes it varies over): an Inf in one element of one device's
+  shard of the gradient is skipped by every device, and the replicated
+  counters stay equal on every device (the devices agree over every manual
+  axis); the noise scale is the replicated-params run's (a shard told from
+  a replicated leaf by its sum). Apart: a device that skips alone would
+  leave the others' emitting branch waiting on its collectives."""
+  skip = option == "skip"
+  tx = optax_accum.accumulate(
+    optax.adam(1e-2),
+    3,
+    axis_name="replica",
+    skip_nonfinite=skip,
+    track_noise_scale=not skip,
+  )
+  batches = [_make_batch(i) for i in range(8)]
+  for i, batch in enumerate(batches):
+    batch["bad"] = (
+      jnp.zeros(ROWS * REPLICAS * FSDP).at[:ROWS].set(skip and i == 4)
+    )
+  params, state, _, _ = _shard_map_train(tx, batches, check_vma=check_vma)
+  ref, ref_state, _, _ = _shard_map_train(tx, batches, sharded=False)
+  shards = [np.asarray(s.data) for s in state.counters.addressable_shards]
+  assert all(np.array_equal(x, shards[0]) for x in shards), shards
+  assert int(state.num_skipped) == int(ref_state.num_skipped) == skip
+  assert int(state.micro_step) == int(ref_state.micro_step) == 2 - skip
+  _close(params, ref, atol=1e-6, rtol=1e-5)
+  if not skip:
     np.testing.assert_allclose(
       np.asarray(optax_accum.noise_scale(state)),
       np.asarray(optax_accum.noise_scale(ref_state)),

@@ -1057,6 +1057,139 @@ MUTANTS += [
   ),
 ]
 
+ROUNDING = "tests/test_stochastic_rounding.py"
+HSDP = "tests/test_hsdp.py"
+MUTANTS += [
+  # -- Blind spots, fourth set (issue 70): the five survivors and the two
+  # behaviours a review found, each planted alone. -------------------------
+  _m(
+    "stochastic rounding: every cycle the same bits",
+    "_accumulate.py",
+    "    state.step.astype(jnp.uint32) * u32(0x9E3779B9)\n    ^ ",
+    "    ",
+    [ROUNDING, "-k", "independent or unbiased_per_element"],
+    "a bfloat16 accumulator fed the same micro-batches every cycle errs by"
+    " the same rounding every cycle: a bias where it should average out",
+  ),
+  _m(
+    "stochastic rounding: every leaf the same bits",
+    "_accumulate.py",
+    "    treedef, [key + u32(0x27D4EB2F) * u32(i + 1) for i in range(len(leaves))]",
+    "    treedef, [key for i in range(len(leaves))]",
+    [ROUNDING, "-k", "independent"],
+    "two leaves of the same shape err in lockstep",
+  ),
+  _m(
+    "stochastic rounding: every micro-step the same bits",
+    "_accumulate.py",
+    "    ^ state.micro_step.astype(jnp.uint32) * u32(0x85EBCA6B)\n",
+    "",
+    [ROUNDING, "-k", "independent"],
+    "the adds of one cycle round with the same bits, element by element",
+  ),
+  _m(
+    "stochastic rounding: bfloat16 gradients to nearest",
+    "_accumulate.py",
+    "        a, g, **term, key=key if a.dtype == jnp.bfloat16 else None",
+    "        a, g, **term,"
+    " key=None if g.dtype == jnp.bfloat16 or a.dtype != jnp.bfloat16"
+    " else key",
+    [ROUNDING, "-k", "every_gradient_dtype"],
+    "bf16 params: small gradients swamped by a large sum again (2.0 where"
+    " the mean is 2.0099)",
+  ),
+  _m(
+    "stochastic rounding: a complex leaf rounded",
+    "_accumulate.py",
+    "        a, g, **term, key=key if a.dtype == jnp.bfloat16 else None",
+    "        a, g, **term, key=key",
+    [ROUNDING, "-k", "complex"],
+    "a complex leaf beside a stochastically rounded accumulator: TypeError"
+    " on the first update",
+  ),
+  _m(
+    "GPU selects form holds a NaN-weight cycle",
+    "_accumulate.py",
+    "    branch = select(enter, update(cycle, mean_sq), hold(cycle, mean_sq))",
+    "    branch = select(\n      enter & (cycle.weight > 0), update(cycle,"
+    " mean_sq), hold(cycle, mean_sq)\n    )",
+    [FORMS, "-k", "nan_weight"],
+    "a small model on a GPU: a NaN total weight holds the cycle where the"
+    " other forms hand the NaN to the inner optimizer",
+  ),
+  _m(
+    "GPU selects form under axis_name",
+    "_control.py",
+    "  if axis_name is not None:\n    return False\n",
+    "",
+    ["tests/test_accelerators.py", "-k", "small_state_on_several"],
+    "a small model's deferred reduction on 8 GPUs all-reduces on every"
+    " micro-step (k times the communication)",
+  ),
+  # -- Issue 70's families: a plant of our own in each. ---------------------
+  _m(
+    "stochastic rounding: every device the same bits",
+    "_accumulate.py",
+    "    ^ engine.device_index() * u32(0xC2B2AE35)\n",
+    "",
+    [ROUNDING, "-k", "each_device_rounds_independently"],
+    "under shard_map every device's bfloat16 sum errs in lockstep",
+  ),
+  _m(
+    "each gradient rounded to the accumulator's dtype before the add",
+    "_accumulate.py",
+    "  term = jnp.asarray(value).astype(compute)\n",
+    "  term = jnp.asarray(value).astype(acc.dtype).astype(compute)\n",
+    [ROUNDING, "-k", "every_gradient_dtype and typical"],
+    "float32 gradients into a bfloat16 accumulator rounded twice per add",
+  ),
+  _m(
+    "every form holds a NaN-weight cycle",
+    "_accumulate.py",
+    "  enter = cycle.ends & ~(cycle.weight <= 0) if checked else cycle.ends",
+    "  enter = cycle.ends & (cycle.weight > 0) if checked else cycle.ends",
+    [FORMS, "-k", "nan_weight"],
+    "a NaN total weight: no update, where the docs say the NaN reaches the"
+    " inner optimizer",
+  ),
+  _m(
+    "check_vma=False: every leaf taken for a shard",
+    "_noise_scale.py",
+    "    same = lax.pmax(sums, axis) == lax.pmin(sums, axis)",
+    "    same = jnp.zeros_like(sums, bool)",
+    [HSDP, "-k", "whatever_check_vma and noise"],
+    "HSDP in shard_map, check_vma=False: a replicated bias counted once per"
+    " fsdp device in the noise scale",
+  ),
+  _m(
+    "GPU selects above the threshold",
+    "_control.py",
+    "  return size < SELECTS_BELOW_BYTES",
+    "  return size >= SELECTS_BELOW_BYTES",
+    ["tests/test_accelerators.py", "-k", "small_state_on_a_gpu"],
+    "a tiny model on one GPU dispatches conditionals; a large one runs adam"
+    " on every micro-step",
+  ),
+  _m(
+    "HSDP with check_vma=False agrees over axis_name only",
+    "_engines.py",
+    "    if _control.vma_checked():",
+    "    if True:",
+    [HSDP, "-k", "whatever_check_vma and skip"],
+    "check_vma=False: an Inf on one fsdp device skips there only, the"
+    " replicated counters differ between devices",
+  ),
+  _m(
+    "HSDP with check_vma=False: the noise scale from the values' axes",
+    "_noise_scale.py",
+    "  if sample_axes is not None and not _control.vma_checked():",
+    "  if False:",
+    [HSDP, "-k", "whatever_check_vma and noise"],
+    "check_vma=False: the noise scale counts each device's shard as the"
+    " whole gradient",
+  ),
+]
+
 # ----------------------------------------------------------------------------
 # Running them.
 # ----------------------------------------------------------------------------
