@@ -13,8 +13,10 @@ one draw (its own random bits), ``--elements`` of them per case. Cases:
 
 Reported per case and accumulator: the mean error of the sum and its
 standard error (the errors' standard deviation over sqrt(elements)). Writes
-``bench_rounding.json``, ``bench_rounding.md`` and ``bench_rounding.png`` to
-``--out`` (default ``benchmarks/results``). Nothing is timed::
+``bench_rounding.json`` and ``bench_rounding.png`` to ``--out`` (default
+``benchmarks/results``); ``benchmarks/render.py`` renders the table of
+``bench_rounding.md`` from the JSON, as every results page. Nothing is
+timed::
 
   python benchmarks/bench_rounding.py            # a few seconds on a CPU
 """
@@ -84,27 +86,6 @@ def measure(ks: list[int], n: int) -> list[dict]:
   return rows
 
 
-def markdown(payload: dict) -> str:
-  lines = [
-    f"Mean error of the accumulated sum against the exact (float64) one,"
-    f" ± its standard error, over {payload['elements']} draws (elements);"
-    f" jax {payload['machine']['jax']}:",
-    "",
-    "| case | k | " + " | ".join(ACCUMULATORS) + " |",
-    "|---|---|" + "---|" * len(ACCUMULATORS),
-  ]
-  by = {(r["case"], r["k"], r["accumulator"]): r for r in payload["rows"]}
-  for case in ("swamping", "typical"):
-    for k in payload["ks"]:
-      cells = [
-        f"{by[case, k, a]['mean_error']:+.2e} ±"
-        f" {by[case, k, a]['standard_error']:.1e}"
-        for a in ACCUMULATORS
-      ]
-      lines.append(f"| {case} | {k} | " + " | ".join(cells) + " |")
-  return "\n".join(lines) + "\n"
-
-
 def plot(payload: dict, path: pathlib.Path) -> None:
   import matplotlib  # noqa: PLC0415
 
@@ -144,9 +125,10 @@ def main() -> None:
   (args.out / "bench_rounding.json").write_text(
     json.dumps(payload, indent=1) + "\n"
   )
-  (args.out / "bench_rounding.md").write_text(markdown(payload))
   plot(payload, args.out / "bench_rounding.png")
-  print(markdown(payload))
+  print(
+    f"wrote {args.out / 'bench_rounding.json'}: benchmarks/render.py makes its page"
+  )
 
 
 if __name__ == "__main__":

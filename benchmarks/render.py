@@ -758,6 +758,31 @@ def bench_plan(payload: dict[str, Any]) -> str:
   )
 
 
+# The accumulators bench_rounding.py compares, in its order.
+ROUNDING_ACCUMULATORS = ("float32", "bfloat16, nearest", "bfloat16, stochastic")
+
+
+def bench_rounding(payload: dict[str, Any]) -> str:
+  lines = [
+    f"Mean error of the accumulated sum against the exact (float64) one,"
+    f" ± its standard error, over {payload['elements']} draws (elements);"
+    f" jax {payload['machine']['jax']}:",
+    "",
+    "| case | k | " + " | ".join(ROUNDING_ACCUMULATORS) + " |",
+    "|---|---|" + "---|" * len(ROUNDING_ACCUMULATORS),
+  ]
+  by = {(r["case"], r["k"], r["accumulator"]): r for r in payload["rows"]}
+  for case in ("swamping", "typical"):
+    for k in payload["ks"]:
+      cells = [
+        f"{by[case, k, a]['mean_error']:+.2e} ±"
+        f" {by[case, k, a]['standard_error']:.1e}"
+        for a in ROUNDING_ACCUMULATORS
+      ]
+      lines.append(f"| {case} | {k} | " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
 # ----------------------------------------------------------------------------
 # Pages.
 # ----------------------------------------------------------------------------
@@ -775,6 +800,7 @@ SECTIONS: dict[str, Callable[[Any], str]] = {
   "bench_compiled": bench_compiled,
   "bench_compiled-recipes": bench_compiled_recipes,
   "bench_plan": bench_plan,
+  "bench_rounding": bench_rounding,
   "wire_dtype": wire_dtype,
 }
 GPU_RUNS = RESULTS / "gpu"
@@ -816,6 +842,10 @@ RESULT_PAGES = {
     ("bench_compiled", "bench_compiled-recipes"),
   ),
   RESULTS / "bench_plan.md": ("The planner (`bench_plan.py`)", ("bench_plan",)),
+  RESULTS / "bench_rounding.md": (
+    "A bfloat16 accumulator's rounding (`bench_rounding.py`)",
+    ("bench_rounding",),
+  ),
   GPU_RUNS / "README.md": (
     "Earlier GPU runs: the step (`bench_gpu.py`, before the whole loop)",
     ("gpu_history",),

@@ -39,19 +39,19 @@ def use_form(form: str) -> None:
   docstring): the library's own functions, chosen differently."""
   import functools  # noqa: PLC0415
 
-  from optax_accum import _accumulate, _control  # noqa: PLC0415
+  from optax_accum import _control, _forms  # noqa: PLC0415
 
   if form in ("conditionals", "one_switch"):
     _control.SELECTS_BELOW_BYTES = 0
   if form == "one_switch":
 
     def one_switch(config, engine, inner, cycle):
-      decide = functools.partial(_accumulate._apply_inside, config, engine)
+      decide = functools.partial(_forms.apply_inside, config, engine)
       if cycle.params is None:
-        return _accumulate._decide(config, engine, inner, cycle, shares=True)
+        return _forms.decide(config, engine, inner, cycle, shares=True)
       return decide(inner, cycle)
 
-    _accumulate._decide_on_device = one_switch
+    _forms.decide_on_device = one_switch
 
 
 def probe(k: int, rounds: int, calls: int) -> dict:

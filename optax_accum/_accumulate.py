@@ -4,7 +4,10 @@ Read top to bottom. The configuration and :func:`accumulate`; ``init``; then
 ``update``, which tells one call from its arguments to the next state, and
 below it the steps it calls, in the order it calls them. The words used here
 (micro-batch, cycle, end, emit, updated, ...) have one meaning each: see the
-glossary in ``optax_accum/README.md``.
+glossary in ``optax_accum/README.md``. Two rooms of their own hold what the
+call hands on: ``_forms.py``, what each backend compiles at a cycle's end,
+and ``_inner.py``, the inner optimizer's run on the cycle's mean; the
+records that cross between them are ``_records.py``'s.
 
 Why a call looks like this. A micro-step should cost what the gradient and
 its add into the accumulator cost (the floor), on CPU, GPU and TPU alike,
@@ -16,32 +19,12 @@ and the step should need no memory beyond the accumulator. So:
   XLA then fuses ``acc + grad`` into the GEMM that makes each weight
   gradient, which it does only for an accumulator that is a parameter of
   the step;
-* **one conditional** decides on the device whether the call ends the cycle
-  (:func:`_control.cond`: an integer switch whose branch 0 holds, so that no
-  compiler turns it into selects or copies what it passes through). Its
-  updating branch runs the inner optimizer on the cycle's mean gradient and,
-  where the types allow, writes the updates into the accumulator's own
-  buffer (:func:`_shares_buffer`); the holding branch passes everything
-  through;
-* **the zero updates** of a micro-step are a ``where`` outside the
-  conditional, which fuses with ``optax.apply_updates``;
-* **closing the cycle**: given the params, the updates are applied (what
-  :func:`optax_accum.apply_updates` returns, see ``_apply.py``) in a way
-  that leaves a micro-step reading and writing neither; on GPU/TPU the
-  accumulator returns to zeros there, while on CPU it keeps the updates as
-  *leftovers* (``micro_step`` 0 with the cycle's weight beside them, -inf
-  for a weightless cycle), which the next call does not read: its add
-  starts from zeros, a select fused into it (:func:`_close` and
-  :func:`_cycle_start`: where CPU and GPU/TPU programs differ);
-* with ``update(..., emit=True | False)`` the caller says at trace time
-  whether the call ends the cycle: no conditional to decide it (a CPU
-  ``emit=True`` step runs the inner optimizer in one, see
-  :func:`_end_cycle_now`).
-
-The structure tests (``tests/test_performance_structure.py`` for CPU,
-``tests/test_accelerators.py`` compiled for an H100 and a TPU v5e) hold the
-compiled programs to these points. The compiler workarounds the code calls
-by name live in ``_control.py``, each with the behaviour it defeats.
+* **the end**: one conditional decides on the device whether the call ends
+  the cycle, and closes it so that a micro-step reads and writes neither
+  the updates nor the params (``_forms.decide_on_device``); with
+  ``update(..., emit=True | False)`` the caller says at trace time whether
+  the call ends the cycle, and no conditional decides it
+  (``_forms.end_cycle_now``, ``_forms.keep_cycle_open``).
 
 **Devices.** Without ``axis_name`` everything below runs on one device with
 plain ``jnp`` (:class:`_control.Local`). With it, an engine of ``_engines.py``
@@ -56,55 +39,42 @@ without it calls only :class:`Local`'s methods.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Hashable
-from typing import Any, Literal, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import AxisType, NamedSharding
 
-from optax_accum import _apply, _checks, _control, _every_k, _noise_scale
+from optax_accum import (
+  _apply,
+  _checks,
+  _control,
+  _every_k,
+  _forms,
+  _noise_scale,
+)
 from optax_accum import _state as _state_lib
 from optax_accum._control import LOCAL, Local
+from optax_accum._inner import Inner
 from optax_accum._noise_scale import NoiseStats
-from optax_accum._state import AccumulateState, NoiseScaleState
+from optax_accum._records import (
+  Config,
+  Cycle,
+  MeanOrSum,
+  Noise,
+  Result,
+  Rounding,
+)
+from optax_accum._state import AccumulateState
 
 EveryK = int | Callable[..., Any] | _every_k.GrowEveryK
-# What `reduction=` and `gradients=` take (checked at construction too).
-MeanOrSum = Literal["mean", "sum"]
-# What `rounding=` takes.
-Rounding = Literal["nearest", "stochastic"]
-# The noise-scale sums, or optax.EmptyState() when not tracked.
-Noise = NoiseScaleState | optax.EmptyState
-# A tree of types (jax.ShapeDtypeStruct leaves, from jax.eval_shape).
-Types = Any
 
 # ----------------------------------------------------------------------------
 # The configuration and the transformation.
 # ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-  """The validated arguments of :func:`accumulate`."""
-
-  # The inner transformation for a cycle of k micro-batches (k is fixed but
-  # for inner_for_every_k).
-  inner: Callable[[jax.Array], optax.GradientTransformationExtraArgs]
-  every_k: _every_k.Spec
-  reduction: MeanOrSum
-  accumulator_dtype: jnp.dtype | None
-  skip_nonfinite: bool
-  axis_name: Hashable | None
-  track_noise_scale: bool
-  noise_scale_decay: float
-  gradients: MeanOrSum  # what each gradient is over its weight
-  reduce_dtype: jnp.dtype | None
-  rounding: Rounding  # of each add into a bfloat16 accumulator
 
 
 @_checks.names_multisteps_arguments
@@ -287,6 +257,14 @@ def accumulate(
   # `init` is `partial(_init, config)`: `config_of` reads the configuration
   # back from it (optax_accum.multisteps.restore_target builds the state of
   # the MultiSteps run a transformation replaces).
+  return optax.GradientTransformationExtraArgs(
+    functools.partial(_init, config), _update_function(config)
+  )
+
+
+def _update_function(config: Config) -> Callable[..., Any]:
+  """`tx.update`: a function of its own, with its signature and docstring
+  (``help(tx.update)``), that runs :func:`_update` with `config`."""
 
   def update(
     updates: optax.Updates,
@@ -338,9 +316,7 @@ def accumulate(
       **extra_args,
     )
 
-  return optax.GradientTransformationExtraArgs(
-    functools.partial(_init, config), update
-  )
+  return update
 
 
 def _inner_for(
@@ -384,6 +360,19 @@ def _engine_for_update(
   from optax_accum import _engines  # noqa: PLC0415  (axis_name only)
 
   return _engines.for_update(axis_name, grads, acc)
+
+
+def compute_dtype(acc_dtype: jax.typing.DTypeLike) -> jnp.dtype:
+  """The dtype in which a gradient is weighted and added: at least float32.
+
+  Chosen explicitly rather than by type promotion, so that it also works
+  under ``jax_numpy_dtype_promotion="strict"``: 16-bit floats compute in
+  float32, wider and complex dtypes in themselves.
+  """
+  dtype = jnp.dtype(acc_dtype)
+  if dtype.itemsize >= 8 or jnp.issubdtype(dtype, jnp.complexfloating):
+    return dtype
+  return jnp.dtype(jnp.float32)
 
 
 def add_term(
@@ -472,45 +461,6 @@ def _init(config: Config, params: optax.Params) -> AccumulateState:
 # ----------------------------------------------------------------------------
 
 
-class Cycle(NamedTuple):
-  """The cycle after this call's micro-batch was added: what ends read."""
-
-  acc: optax.Updates  # the (device-local) sum
-  weight: jax.Array  # float32[]: its (device-local) total weight
-  micro_step: jax.Array  # int32[]: micro-batches accepted in it
-  ends: jax.Array  # bool[]: this call ends the cycle
-  noise: Noise  # NoiseScaleState, or optax.EmptyState() when not tracked
-  inner_state: optax.OptState
-  params: optax.Params | None  # as given to update, or None
-
-
-class Inner(NamedTuple):
-  """What one traced call holds fixed about the inner optimizer: itself
-  (for this cycle's k), its extra arguments, and the types it takes and
-  returns (``jax.eval_shape``)."""
-
-  tx: optax.GradientTransformationExtraArgs
-  extra_args: dict
-  grad_types: Types  # the mean gradient it is handed
-  update_types: Types  # its updates
-  state_types: Types  # its new state
-  reduced_specs: Any  # the reduced sum's layout (Unreduced), or None
-
-
-class Result(NamedTuple):
-  """How a call ends: what it returns and what the next state holds."""
-
-  updates: optax.Updates  # exact zeros unless `updated`
-  updated: jax.Array  # bool[]: inner ran on a cycle of positive weight
-  new_params: optax.Params | None  # the params with `updates` applied, or None
-  acc: optax.Updates
-  acc_weight: jax.Array
-  noise: Noise
-  inner_state: optax.OptState
-  cycle_ends: jax.Array  # bool[]
-  cycle_weight: jax.Array  # the ended cycle's global weight, else 0
-
-
 def _update(
   config: Config,
   updates: optax.Updates,
@@ -559,11 +509,11 @@ def _update(
 
   # 3. End the call: the device decides (traced), or the caller did (emit=).
   if call.emit is None:
-    result = _decide_on_device(config, engine, inner, cycle)
+    result = _forms.decide_on_device(config, engine, inner, cycle)
   elif call.emit:
-    result = _end_cycle_now(config, engine, inner, cycle)
+    result = _forms.end_cycle_now(config, engine, inner, cycle)
   else:
-    result = _keep_cycle_open(inner, cycle)
+    result = _forms.keep_cycle_open(inner, cycle)
 
   # 4. Tell apply_updates what was applied; the next state.
   known = result.updated if call.emit is None else call.emit
@@ -585,17 +535,7 @@ def _is_inner_alone(
     and not call.may_flush
     and not config.skip_nonfinite
     and config.axis_name is None
-    and _fits(updates, acc)
-  )
-
-
-def _fits(values: optax.Updates, acc: optax.Updates) -> bool:
-  """Whether each accumulator leaf holds the values of the leaf of `values`
-  (arrays, scalars or their types) beside it exactly: a float32
-  accumulator for bfloat16 or float32 gradients."""
-  return all(
-    _holds_exactly(a.dtype, jnp.result_type(v))
-    for v, a in zip(jax.tree.leaves(values), jax.tree.leaves(acc), strict=True)
+    and _forms.fits(updates, acc)
   )
 
 
@@ -679,25 +619,18 @@ def _add(
     )
   else:
     acc = jax.tree.map(lambda a, g: add_term(a, g, **term), start, grads)
+  noise = state.noise
+  if config.track_noise_scale:
+    noise = _add_noise(
+      config, engine, state, grads, weight=weight, accepted=accepted, call=call
+    )
   micro_step = state.micro_step + accepted.astype(jnp.int32)
   cycle = Cycle(
     acc=acc,
     weight=cycle_weight + jnp.where(accepted, weight, 0.0),
     micro_step=micro_step,
     ends=(micro_step >= state.every_k) | flush,
-    noise=(
-      _add_noise(
-        config,
-        engine,
-        state,
-        grads,
-        weight=weight,
-        accepted=accepted,
-        call=call,
-      )
-      if config.track_noise_scale
-      else state.noise
-    ),
+    noise=noise,
     inner_state=state.inner_state,
     params=params,
   )
@@ -758,7 +691,7 @@ def _cycle_start(
     leftovers = (micro_step == 0) & (acc_weight != 0)
     return acc, jnp.where(leftovers, -jnp.inf, acc_weight)
 
-  return _per_backend(
+  return _forms.per_backend(
     micro_step, acc, acc_weight, cpu=not_read, accelerator=thrown_away
   )
 
@@ -789,6 +722,9 @@ def _add_noise(
     summed=config.gradients == "sum",
     sample_axes=engine.sample_axes(),
   )
+
+
+# -- 3. The end: _forms.py. 4. The next state. ------------------------------
 
 
 def _inner_types(
@@ -825,699 +761,22 @@ def _inner_types(
     cycle.inner_state,
     params,
   )
-  return Inner(tx, extra_args, grad_types, update_types, state_types, specs)
-
-
-# -- 3. The ends. ------------------------------------------------------------
-
-
-class Branch(NamedTuple):
-  """What each branch of a closing conditional returns (the same fields in
-  every branch, so that the conditional's outputs have names)."""
-
-  # The updates; where they share the accumulator's buffer, that buffer.
-  out: optax.Updates
-  acc: optax.Updates | None  # the accumulator; None where `out` is it
-  params: optax.Params | None  # updated where the branch applied them
-  weight: jax.Array  # float32[]: the cycle's global total weight
-  noise: Noise
-  inner_state: optax.OptState
-  updated: jax.Array  # bool[]: inner ran on a cycle of positive weight
-  cycle_weight: jax.Array  # the ended cycle's global weight, else 0
-
-
-def _decide_on_device(
-  config: Config, engine: Local, inner: Inner, cycle: Cycle
-) -> Result:
-  """The default (``emit=None``): a conditional decides on the device
-  whether this call ends the cycle.
-
-  Where the updates are narrower than the accumulator (bf16 params, a
-  float32 accumulator) and the params are given, a program for GPU/TPU
-  applies them in the updating branch (:func:`_apply_inside`) instead of
-  passing them through the accumulator's buffer, which costs the updating
-  step a float32 write and read of every update there. Everything else is
-  :func:`_decide`, which CPU programs keep for narrow updates too, and so
-  does every program on a jax whose XLA copies what a later branch passes
-  through (:data:`_control.LATER_BRANCHES_COPY`, before jax 0.11.1): there
-  the switch's weightless branch would copy the params and the inner state
-  on every call.
-
-  On a GPU, one device, an accumulator below
-  :data:`_control.SELECTS_BELOW_BYTES`: :func:`_decide` with selects in
-  place of its conditionals (``selects=True``), as XLA:GPU compiles
-  ``optax.MultiSteps``' conditional: the inner optimizer runs on every call,
-  which over a small state costs the device less than a conditional costs
-  the host's dispatch.
-  """
-  shares = _shares_buffer(engine, inner, cycle.acc)
-  # (`shares`: the same tree and shapes, so the leaves pair up.)
-  narrow = shares and any(
-    jnp.dtype(u.dtype).itemsize < jnp.dtype(a.dtype).itemsize
-    for u, a in zip(
-      jax.tree.leaves(inner.update_types),
-      jax.tree.leaves(cycle.acc),
-      strict=True,
-    )
-  )
-  decide = functools.partial(_decide, config, engine, inner, shares=shares)
-  accelerator = decide
-  if narrow and cycle.params is not None and not _control.LATER_BRANCHES_COPY:
-    accelerator = functools.partial(_apply_inside, config, engine, inner)
-  small = _control.decides_with_selects(engine.axis_name, cycle.acc)
-  return _per_backend(
-    cycle,
-    cpu=decide,
-    accelerator=accelerator,
-    gpu=functools.partial(decide, selects=True) if small else None,
-  )
-
-
-def _decide(
-  config: Config,
-  engine: Local,
-  inner: Inner,
-  cycle: Cycle,
-  *,
-  shares: bool,
-  selects: bool = False,
-) -> Result:
-  """One conditional decides on the device whether this call ends the
-  cycle.
-
-  Where the updates share the accumulator's buffer (`shares`:
-  :func:`_shares_buffer`) the updating branch writes them there and
-  :func:`_close` closes the cycle once they are read. Otherwise (another
-  tree, a buffer that varies over devices) they get buffers of their own
-  and the updating branch zeroes the accumulator and applies them itself.
-  With `selects` (a small state on a GPU, :func:`_decide_on_device`) both
-  branches run and selects keep the one the conditional would have taken:
-  no conditional anywhere in the call.
-  """
-  # A weightless cycle skips the branch (a NaN total still enters, so that
-  # the NaN reaches `inner`). Inside shard_map the global weight is known
-  # only in the branch, which then checks it itself.
-  checked = shares and engine.global_weight
-  enter = cycle.ends & ~(cycle.weight <= 0) if checked else cycle.ends
-  mean_sq = None
-  if config.track_noise_scale and engine.axis_name is None:
-    # Measured before the conditional (with axis_name it needs the reduced
-    # sum, inside).
-    mean_sq = (
-      _mean_sq_norm(cycle.acc, cycle.weight)
-      if selects
-      else _control.in_own_conditional(
-        enter,
-        _mean_sq_norm,
-        jnp.zeros([], jnp.float32),
-        cycle.acc,
-        cycle.weight,
-      )
-    )
-
-  def update(cycle: Cycle, mean_sq: jax.Array | None) -> Branch:
-    mean = _cycle_mean(config, engine, inner, cycle, mean_sq, per_leaf=False)
-    run = _run_inner if checked else _inner_where_weighted
-    ran = run(config, inner, mean.operands, apply=not shares)
-    if shares:
-      out = jax.tree.map(lambda u, a: u.astype(a.dtype), ran.updates, cycle.acc)
-      acc = params = None
-    else:
-      out, params = ran.updates, ran.params
-      acc = engine.cleared(cycle.ends, cycle.acc, mean.operands.total)
-    # The global weight twice, as the ended cycle's too: under shard_map
-    # the first joins the device-local accumulator's slot.
-    return Branch(
-      out=out,
-      acc=acc,
-      params=params,
-      weight=mean.weight,
-      noise=mean.noise,
-      inner_state=ran.inner_state,
-      updated=jnp.asarray(True) if checked else mean.operands.weighted,
-      cycle_weight=mean.weight,
-    )
-
-  hold = functools.partial(_holding, inner, shares=shares)
-  if selects:
-    branch = select(enter, update(cycle, mean_sq), hold(cycle, mean_sq))
-  else:
-    branch = _control.cond(enter, update, hold, cycle, mean_sq)
-  if shares:
-    return _close(engine, inner, cycle, branch, selects=selects)
-  return _applied_in_branch(cycle, branch)
-
-
-def _applied_in_branch(cycle: Cycle, branch: Branch) -> Result:
-  """The call's result where the updating branch applied the updates and
-  zeroed the accumulator itself (the updates in buffers of their own)."""
-  return Result(
-    updates=branch.out,
-    updated=branch.updated,
-    new_params=branch.params,
-    acc=branch.acc,
-    acc_weight=jnp.where(cycle.ends, 0.0, branch.weight),
-    noise=branch.noise,
-    inner_state=branch.inner_state,
-    cycle_ends=cycle.ends,
-    cycle_weight=branch.cycle_weight,
-  )
-
-
-def _holding(
-  inner: Inner, cycle: Cycle, mean_sq: jax.Array | None = None, *, shares: bool
-) -> Branch:
-  """The branch that holds: everything passed through, no updates (the
-  accumulator's own buffer where they share it, else traced zeros).
-  (`mean_sq`: the operand :func:`_decide`'s branches share, unread.)"""
-  del mean_sq
-  return Branch(
-    out=cycle.acc if shares else _no_updates(inner, cycle.ends),
-    acc=None if shares else cycle.acc,
-    params=None if shares else cycle.params,
-    weight=cycle.weight,
-    noise=cycle.noise,
-    inner_state=_settle(cycle.inner_state, inner.state_types),
-    updated=jnp.asarray(False),
-    cycle_weight=jnp.zeros([], cycle.weight.dtype),
-  )
-
-
-def _no_updates(inner: Inner, flag: jax.Array) -> optax.Updates:
-  """Zero updates, a traced value per leaf from a `flag` that is false where
-  this runs (:func:`_control.distinct_zeros`)."""
-  leaves, treedef = jax.tree.flatten(inner.update_types)
-  zeros = _control.distinct_zeros(leaves, flag, zeros_like_type)
-  return jax.tree.unflatten(treedef, zeros)
-
-
-def _apply_inside(
-  config: Config, engine: Local, inner: Inner, cycle: Cycle
-) -> Result:
-  """GPU/TPU, narrow updates, params given: one switch. Branch 0 holds
-  (passes everything through); branch 1 ends a weighted cycle: the inner
-  optimizer on the mean, the params updated and the accumulator zeroed in
-  its kernels, as the ``emit=True`` step does; branch 2 ends a
-  weightless one (the accumulator zeroed, nothing applied). The updates
-  get buffers of their own, which XLA drops when the caller applies them
-  with :func:`optax_accum.apply_updates` (with ``optax.apply_updates`` a
-  micro-step writes narrow zeros there, as many bytes as reading the
-  shared buffer costs it, ``tests/test_accelerators.py``).
-
-  One device (a local ``global_weight``): the weight that decides the
-  branch is the cycle's whole weight.
-  """
-  weighted = ~(cycle.weight <= 0)  # a NaN total enters, to reach `inner`
-  index = jnp.where(cycle.ends, jnp.where(weighted, 1, 2), 0)
-
-  def update(cycle: Cycle) -> Branch:
-    mean = _cycle_mean(config, engine, inner, cycle, None, per_leaf=False)
-    ran = _run_inner(config, inner, mean.operands, apply=True)
-    acc = engine.cleared(cycle.ends, cycle.acc, mean.operands.total)
-    return _holding(inner, cycle, shares=False)._replace(
-      out=ran.updates,
-      acc=acc,
-      params=ran.params,
-      noise=mean.noise,
-      inner_state=ran.inner_state,
-      updated=jnp.asarray(True),
-      cycle_weight=cycle.weight,
-    )
-
-  def weightless(cycle: Cycle) -> Branch:
-    acc = engine.cleared(cycle.ends, cycle.acc, cycle.acc)
-    return _holding(inner, cycle, shares=False)._replace(
-      out=_no_updates(inner, ~cycle.ends), acc=acc
-    )
-
-  hold = functools.partial(_holding, inner, shares=False)
-  branch = _control.switch(index, (hold, update, weightless), cycle)
-  return _applied_in_branch(cycle, branch)
-
-
-def _end_cycle_now(
-  config: Config, engine: Local, inner: Inner, cycle: Cycle
-) -> Result:
-  """``emit=True``: the caller says this call ends the cycle. With
-  ``axis_name``, no conditional (the leaves reduced one by one, so that
-  each may start as soon as its gradient is added; selects keep a
-  weightless cycle's result out) and the accumulator left at zeros (the
-  reduced sum's: see ``_engines.py``).
-
-  On one device with the params given, the params are updated here too
-  (what :func:`optax_accum.apply_updates` returns), and a program compiled
-  for CPU runs the inner optimizer in a conditional of its own that applies
-  them in place (:func:`_run_if_weighted`) and leaves the accumulator
-  as leftovers: the cycle's sum beside its weight (-inf for a weightless
-  cycle's), which the next call does not read (:func:`_cycle_start`).
-  XLA:CPU fuses neither the zeroing pass nor the applying pass into the
-  optimizer's kernels at the top level of a program: the ``emit=True`` step was
-  1.7x the traced one's at 64 MB (``benchmarks/bench_loop.py``).
-  """
-  mean_sq = None
-  if config.track_noise_scale and engine.axis_name is None:
-    mean_sq = _mean_sq_norm(cycle.acc, cycle.weight)
-  mean = _cycle_mean(config, engine, inner, cycle, mean_sq, per_leaf=True)
-  always = _control.traced_true(cycle.micro_step)
-
-  def ended(ran: Ran, acc: optax.Updates, acc_weight: jax.Array) -> Result:
-    return Result(
-      updates=ran.updates,
-      updated=mean.operands.weighted,
-      new_params=ran.params,
-      acc=acc,
-      acc_weight=acc_weight,
-      noise=mean.noise,
-      inner_state=ran.inner_state,
-      cycle_ends=jnp.asarray(True),
-      cycle_weight=mean.weight,
-    )
-
-  if engine.axis_name is not None or cycle.params is None:
-    run = (
-      _run_then_select
-      if engine.axis_name is not None
-      else _inner_where_weighted
-    )
-    ran = run(config, inner, mean.operands, apply=False)
-    acc = engine.cleared(always, cycle.acc, mean.operands.total)
-    return ended(ran, acc, jnp.zeros_like(cycle.weight))
-
-  def leftovers(cycle: Cycle) -> Result:
-    ran = _run_if_weighted(config, inner, mean.operands, apply=True)
-    weight = jnp.where(cycle.weight == 0, -jnp.inf, cycle.weight)
-    return ended(ran, cycle.acc, weight)
-
-  def zeros(cycle: Cycle) -> Result:
-    ran = _run_then_select(config, inner, mean.operands, apply=False)
-    ran = ran._replace(params=optax.apply_updates(cycle.params, ran.updates))
-    acc = _control.cleared(always, cycle.acc, engine)
-    return ended(ran, acc, jnp.zeros_like(cycle.weight))
-
-  return _per_backend(cycle, cpu=leftovers, accelerator=zeros)
-
-
-def _keep_cycle_open(inner: Inner, cycle: Cycle) -> Result:
-  """``emit=False``: the caller says the cycle goes on. The add and the
-  counters only: no conditional, no inner optimizer."""
-  return Result(
-    updates=jax.tree.map(zeros_like_type, inner.update_types),
-    updated=jnp.asarray(False),
-    new_params=None,
-    acc=cycle.acc,
-    acc_weight=cycle.weight,
-    noise=cycle.noise,
-    inner_state=_settle(cycle.inner_state, inner.state_types),
-    cycle_ends=jnp.asarray(False),
-    # Not zeros_like: under shard_map the weight varies over the devices.
-    cycle_weight=jnp.zeros([], jnp.float32),
-  )
-
-
-def _shares_buffer(engine: Local, inner: Inner, acc: optax.Updates) -> bool:
-  """Whether the updates can be written into the accumulator's buffer:
-  the same tree and shapes, dtypes the accumulator holds exactly, and (with
-  ``axis_name``) an engine whose accumulator has the updates' type."""
-  update_types = inner.update_types
-  fits = (
-    jax.tree.structure(update_types) == jax.tree.structure(acc)
-    and all(
-      u.shape == a.shape
-      for u, a in zip(
-        jax.tree.leaves(update_types), jax.tree.leaves(acc), strict=True
-      )
-    )
-    and _fits(update_types, acc)
-  )
-  return fits and (engine.axis_name is None or engine.shares_buffer(acc))
-
-
-def _holds_exactly(
-  wide: jax.typing.DTypeLike, narrow: jax.typing.DTypeLike
-) -> bool:
-  """Whether every value of dtype `narrow` survives a trip through `wide`."""
-  wide, narrow = jnp.dtype(wide), jnp.dtype(narrow)
-  if wide == narrow:
-    return True
-  if not (
-    jnp.issubdtype(wide, jnp.inexact) and jnp.issubdtype(narrow, jnp.inexact)
-  ):
-    return False
-  if jnp.issubdtype(narrow, jnp.complexfloating) and not jnp.issubdtype(
-    wide, jnp.complexfloating
-  ):
-    return False
-  w, n = jnp.finfo(wide), jnp.finfo(narrow)
-  return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp
-
-
-# -- The inner optimizer on the cycle's mean. --------------------------------
-
-
-class InnerOperands(NamedTuple):
-  """What the inner optimizer's run on a cycle's mean reads (the operands of
-  the conditional that runs it where it has one of its own)."""
-
-  weighted: jax.Array  # bool[]: the total weight is positive, or NaN
-  total: optax.Updates  # the cycle's (reduced) sum
-  inv_weight: jax.Array  # 1 / its total weight (:func:`_inverse_weight`)
-  state: optax.OptState  # the inner optimizer's state
-  params: optax.Params | None  # as given to update, or None
-
-
-class Mean(NamedTuple):
-  """A cycle summed over the devices, ready for the inner optimizer."""
-
-  operands: InnerOperands
-  weight: jax.Array  # float32[]: the cycle's global total weight
-  noise: Noise  # the noise-scale state with the cycle folded in
-
-
-class Ran(NamedTuple):
-  """The inner optimizer's result on a cycle's mean."""
-
-  updates: optax.Updates
-  inner_state: optax.OptState
-  # The params with the updates applied where asked (`apply`), else None.
-  params: optax.Params | None
-
-
-def _cycle_mean(
-  config: Config,
-  engine: Local,
-  inner: Inner,
-  cycle: Cycle,
-  mean_sq: jax.Array | None,
-  *,
-  per_leaf: bool,
-) -> Mean:
-  """The cycle's sums over the devices (with ``axis_name``; `per_leaf`: a
-  reduction per leaf, see :func:`_control.psum_with_scalars`), the inverse
-  of its total weight, and the noise scale with the cycle folded in
-  (`mean_sq`: ``|mean gradient|^2`` measured before, or None to measure the
-  reduced sum here)."""
-  if engine.axis_name is not None:
-    cycle = _reduce(config, engine, inner, cycle, per_leaf=per_leaf)
-  inv_weight = _inverse_weight(cycle.weight, cycle.acc)
-  noise = cycle.noise
-  if isinstance(noise, NoiseScaleState):
-    if mean_sq is None:  # The global mean, known only after the reduction.
-      mean_sq = _noise_scale.sq_norm(cycle.acc, inv_weight, config.axis_name)
-    noise = _noise_scale.fold_cycle(
-      noise, mean_sq, cycle.weight, config.noise_scale_decay
-    )
-  operands = InnerOperands(
-    # A NaN weight runs `inner`, so that the NaN reaches it.
-    weighted=~(cycle.weight <= 0),
-    total=cycle.acc,
-    inv_weight=inv_weight,
-    state=cycle.inner_state,
-    params=cycle.params,
-  )
-  return Mean(operands, cycle.weight, noise)
-
-
-def _reduce(
-  config: Config,
-  engine: Local,
-  inner: Inner,
-  cycle: Cycle,
-  *,
-  per_leaf: bool,
-) -> Cycle:
-  """The cycle with its sums over the devices, in `reduce_dtype` on the
-  wire."""
-  noise = cycle.noise
-  tracked = isinstance(noise, NoiseScaleState)
-  scalars = (cycle.weight,)
-  if tracked:  # The count as float32, to join the sum.
-    scalars += (noise.sq_norm_sum, noise.count.astype(jnp.float32))
-  wire = config.reduce_dtype
-  acc = cycle.acc
-  kept = jax.tree.map(lambda a: a.dtype, acc)
-  if wire is not None:
-    acc = jax.tree.map(lambda a: a.astype(wire), acc)
-  acc, scalars = engine.reduce(
-    acc, scalars, per_leaf=per_leaf, specs=inner.reduced_specs
-  )
-  if wire is not None:
-    acc = jax.tree.map(lambda a, d: a.astype(d), acc, kept)
-  if tracked:
-    noise = noise._replace(
-      sq_norm_sum=scalars[1], count=scalars[2].astype(jnp.int32)
-    )
-  return cycle._replace(acc=acc, weight=scalars[0], noise=noise)
-
-
-def _inverse_weight(
-  total_weight: jax.Array, acc: optax.Updates = ()
-) -> jax.Array:
-  """1 / W, with 1 for a non-positive W (whose cycle updates nothing); a
-  NaN W stays NaN so that it reaches ``inner``. In float32, or in float64
-  where `acc` holds a float64 (or complex128) leaf (``jax_enable_x64``): a
-  float32 inverse would round a float64 mean to float32's precision."""
-  dtype = max(
-    (jnp.finfo(compute_dtype(a.dtype)).dtype for a in jax.tree.leaves(acc)),
+  sum_dtypes = jax.tree.map(lambda a: compute_dtype(a.dtype), cycle.acc)
+  inverse_dtype = max(
+    (jnp.finfo(d).dtype for d in jax.tree.leaves(sum_dtypes)),
     key=lambda d: d.itemsize,
     default=jnp.dtype(jnp.float32),
   )
-  total_weight = total_weight.astype(dtype)
-  return 1.0 / jnp.where(total_weight <= 0, 1.0, total_weight)
-
-
-def _mean_sq_norm(acc: optax.Updates, total_weight: jax.Array) -> jax.Array:
-  return _noise_scale.sq_norm(acc, _inverse_weight(total_weight))
-
-
-# Three ways to run the inner optimizer on the mean, one a decision: the
-# caller checked the weight (`_run_inner`), selects keep a weightless
-# cycle's result out (`_run_then_select`), or the backend chooses between
-# the two (`_inner_where_weighted`). Each takes `apply`: also apply the
-# updates to the params, next to `inner`.
-
-
-def _run_inner(
-  config: Config, inner: Inner, operands: InnerOperands, *, apply: bool
-) -> Ran:
-  """`inner` on the cycle's mean gradient, computed here so that it fuses
-  into the inner's kernels; with `apply`, the params updated too."""
-
-  # The sum in its compute dtype, times 1/W, in the gradient's own dtype.
-  # (`grad_types` holds shapes only: closing over the gradient arrays would
-  # make them operands of the conditional and materialise them.)
-  grad = jax.tree.map(
-    lambda a: a.astype(compute_dtype(a.dtype)), operands.total
+  return Inner(
+    tx,
+    extra_args,
+    grad_types,
+    update_types,
+    state_types,
+    specs,
+    sum_dtypes,
+    inverse_dtype,
   )
-  if config.reduction == "mean":
-    grad = _control.times_inverse(grad, operands.inv_weight)
-  grad = jax.tree.map(lambda a, g: a.astype(g.dtype), grad, inner.grad_types)
-  params = operands.params
-  updates, state = inner.tx.update(
-    grad, operands.state, params, **inner.extra_args
-  )
-  if not apply or params is None:
-    return Ran(updates, state, None)
-  return Ran(updates, state, optax.apply_updates(params, updates))
-
-
-def _run_then_select(
-  config: Config, inner: Inner, operands: InnerOperands, *, apply: bool
-) -> Ran:
-  """`inner` run anyway, its result kept for a positive weight by selects
-  that fuse into the inner's own kernels."""
-  ran = _run_inner(config, inner, operands, apply=False)
-  weighted, params = operands.weighted, operands.params
-  updates = jax.tree.map(
-    lambda u: jnp.where(weighted, u, jnp.zeros([], u.dtype)), ran.updates
-  )
-  state = select(weighted, ran.inner_state, operands.state)
-  if not apply or params is None:
-    return Ran(updates, state, None)
-  applied = optax.apply_updates(params, updates)
-  return Ran(updates, state, select(weighted, applied, params))
-
-
-def _run_if_weighted(
-  config: Config, inner: Inner, operands: InnerOperands, *, apply: bool
-) -> Ran:
-  """The CPU form of :func:`_inner_where_weighted`: `inner` in a
-  conditional of its own (:func:`_control.run_if_weighted`), whose holding
-  branch passes the state through (zero updates, the state and params as
-  they were). XLA:CPU does not update the state in place under selects,
-  and copies every inner-state leaf twice per micro-step."""
-
-  def run(operands: InnerOperands) -> Ran:
-    return _run_inner(config, inner, operands, apply=apply)
-
-  def skip(operands: InnerOperands) -> Ran:  # `weighted` is false here
-    updates = _no_updates(inner, operands.weighted)
-    state = _settle(operands.state, inner.state_types)
-    return Ran(updates, state, operands.params if apply else None)
-
-  return _control.run_if_weighted(operands.weighted, run, skip, operands)
-
-
-def _inner_where_weighted(
-  config: Config, inner: Inner, operands: InnerOperands, *, apply: bool
-) -> Ran:
-  """The inner optimizer, in a conditional branch that ends every cycle
-  (weightless ones too): its result where the total weight is positive (or
-  NaN), else zero updates and the state and params as they were. On CPU
-  :func:`_run_if_weighted`; on GPU/TPU :func:`_run_then_select` (a
-  conditional of its own there costs the 8-H100 ``shard_map`` step a
-  quarter of the accumulator more memory, ``tests/test_accelerators.py``).
-  A caller already in one backend's form calls that form itself."""
-  return _per_backend(
-    operands,
-    cpu=functools.partial(_run_if_weighted, config, inner, apply=apply),
-    accelerator=functools.partial(_run_then_select, config, inner, apply=apply),
-  )
-
-
-def _settle(inner_state: optax.OptState, types: Types) -> optax.OptState:
-  """`inner_state` in the dtypes `inner` itself gives its new state.
-
-  So that a holding call leaves the state typed as an updating one, and the
-  inner state behaves as with `inner` alone (which may widen a state leaf,
-  e.g. bf16 moments fed float32 gradients).
-  """
-  return jax.tree.map(
-    lambda x, t: x if x.dtype == t.dtype else x.astype(t.dtype),
-    inner_state,
-    types,
-  )
-
-
-# -- Where CPU and GPU/TPU programs differ. ----------------------------------
-#
-# One meaning of the state on every backend: while a cycle is open
-# (micro_step > 0), ``acc_grads`` and ``acc_weight`` hold its sum and total
-# weight. At micro_step 0 no cycle is open: ``acc_grads`` holds zeros (weight
-# 0), or leftovers of the last cycle (a non-zero weight), which the next
-# cycle does not read. The CPU form leaves leftovers, the GPU/TPU form zeros;
-# both take either, so a state saved on one backend resumes on any other
-# (tests/test_backend_forms.py): bit for bit, except that the GPU/TPU form
-# throws leftovers away with their cycle (:func:`_cycle_start`).
-# What differs is how the code gets there, because XLA:CPU and XLA:GPU/TPU
-# fuse and copy around a conditional differently.
-
-
-def _per_backend(
-  *args: Any,
-  cpu: Callable,
-  accelerator: Callable,
-  gpu: Callable | None = None,
-) -> Any:
-  """`cpu(*args)` in a program compiled for CPU, `gpu(*args)` (where given)
-  in one for a GPU, else `accelerator(*args)`. Branches that are one
-  function are traced once.
-
-  The tests pin this to one form to run the others on CPU.
-  """
-  forms = [accelerator] + ([] if cpu is accelerator else [cpu])
-  forms += [] if gpu is None else [gpu]
-  if len(forms) > 1:  # Inside shard_map: the forms' outputs typed alike.
-    forms = _control.varying_alike(forms, *args)
-  branches = {"default": forms[0]}
-  if cpu is not accelerator:
-    branches["cpu"] = forms[1]
-  if gpu is not None:
-    branches["cuda"] = branches["rocm"] = forms[-1]
-  return lax.platform_dependent(*args, **branches)
-
-
-class Closed(NamedTuple):
-  """The params and the accumulator once a cycle's updates were read."""
-
-  params: optax.Params | None  # the updates applied; None without params
-  acc: optax.Updates
-  acc_weight: jax.Array
-
-
-def _close(
-  engine: Local,
-  inner: Inner,
-  cycle: Cycle,
-  branch: Branch,
-  *,
-  selects: bool = False,
-) -> Result:
-  """The call's result once the updates the updating branch wrote into the
-  accumulator's buffer (`branch.out`) have been read: the updates (exact
-  zeros unless updated: a select outside the conditional, which fuses with
-  ``optax.apply_updates``), the params with them applied (None without
-  params), and the state's accumulator and weight.
-
-  * GPU/TPU: a second conditional, entered when the cycle ends, applies the
-    updates and zeroes the buffer in place (weight 0); on a micro-step it
-    passes both through untouched, so a micro-step neither reads nor writes
-    them and the add into the accumulator fuses into each weight gradient's
-    GEMM;
-  * CPU: the params are applied in a conditional of their own, and the
-    buffer keeps the updates (or a weightless cycle's sum): leftovers, which
-    the cycle's weight left beside them at micro_step 0 marks (-inf for a
-    weightless cycle: its sum need not be zeros, e.g. mixed-sign weights),
-    and which the next call does not read (:func:`_cycle_start`);
-  * with `selects` (a small state on a GPU): the GPU/TPU form's closing
-    branch run on every call, its selects doing what the conditional did.
-
-  On CPU, returning the buffer to zeros here costs every micro-step a pass
-  over it (a select after the conditional), or, wherever the caller reads the
-    updates after the step
-    (``optax.apply_updates``), a copy of it (a conditional that zeroes it:
-    XLA:CPU copies a buffer that a conditional passes through when it is
-    read after; ``tools/cpu_cond_probe.py``).
-  """
-  update_types, updated, ends = inner.update_types, branch.updated, cycle.ends
-
-  def applied(params, out):
-    updates = jax.tree.map(lambda b, t: b.astype(t.dtype), out, update_types)
-    return optax.apply_updates(params, updates)
-
-  def close(params, out):
-    if params is not None:  # The select fuses into the update's kernel.
-      params = select(updated, applied(params, out), params)
-    return params, _control.cleared(ends, out, engine)
-
-  def in_conditional(params, out, weight) -> Closed:
-    if selects:
-      params, out = close(params, out)
-    else:
-      params, out = _control.cond(ends, close, lambda p, o: (p, o), params, out)
-    return Closed(params, out, jnp.where(ends, 0.0, weight))
-
-  def leftovers(params, out, weight) -> Closed:
-    if params is not None:
-      params = _control.cond(updated, applied, lambda p, o: p, params, out)
-    return Closed(
-      params, out, jnp.where(ends & (weight == 0), -jnp.inf, weight)
-    )
-
-  closed = _per_backend(
-    cycle.params,
-    branch.out,
-    branch.weight,
-    cpu=leftovers,
-    accelerator=in_conditional,
-  )
-  return Result(
-    updates=jax.tree.map(
-      lambda b, t: jnp.where(updated, b.astype(t.dtype), 0),
-      branch.out,
-      update_types,
-    ),
-    updated=updated,
-    new_params=closed.params,
-    acc=closed.acc,
-    acc_weight=closed.acc_weight,
-    noise=branch.noise,
-    inner_state=branch.inner_state,
-    cycle_ends=ends,
-    cycle_weight=branch.cycle_weight,
-  )
-
-
-# -- 4. The next state. ------------------------------------------------------
 
 
 def _next_state(
@@ -1569,43 +828,3 @@ def _next_state(
   return AccumulateState(
     acc_grads=result.acc, inner_state=result.inner_state, **scalars
   )
-
-
-# ----------------------------------------------------------------------------
-# Tree helpers (microbatch's reductions use them too).
-# ----------------------------------------------------------------------------
-
-
-def compute_dtype(acc_dtype: jax.typing.DTypeLike) -> jnp.dtype:
-  """The dtype in which a gradient is weighted and added: at least float32.
-
-  Chosen explicitly rather than by type promotion, so that it also works
-  under ``jax_numpy_dtype_promotion="strict"``: 16-bit floats compute in
-  float32, wider and complex dtypes in themselves.
-  """
-  dtype = jnp.dtype(acc_dtype)
-  if dtype.itemsize >= 8 or jnp.issubdtype(dtype, jnp.complexfloating):
-    return dtype
-  return jnp.dtype(jnp.float32)
-
-
-def select(flag: jax.Array, new: Any, old: Any) -> Any:
-  """`new` where the scalar `flag` is true, else `old` cast to `new`'s
-  dtypes, leaf by leaf."""
-  return jax.tree.map(
-    lambda n, o: jnp.where(flag, n, o.astype(n.dtype)), new, old
-  )
-
-
-def zeros_like_type(t: Any, dtype: Any = None) -> jax.Array:
-  """Zeros of the shape of `t` (an array or ``ShapeDtypeStruct``), in
-  `dtype` (default `t`'s), with `t`'s sharding where a mesh axis is
-  explicit: there the sharding is part of the type, and a scan carry or the
-  branches of a conditional must agree on it."""
-  dtype = t.dtype if dtype is None else dtype
-  sharding = getattr(t, "sharding", None)
-  if isinstance(sharding, NamedSharding) and any(
-    axis_type == AxisType.Explicit for axis_type in sharding.mesh.axis_types
-  ):
-    return jnp.zeros(t.shape, dtype, out_sharding=sharding)
-  return jnp.zeros(t.shape, dtype)

@@ -263,10 +263,11 @@ def update_call(
   axis_name: Hashable | None,
   measures_noise: bool,
 ) -> Call:
-  """Checks an ``update``'s options, given ``accumulate``'s fixed
-  ``every_k`` (None for a schedule), `skip_nonfinite`, `track_noise_scale`
-  and `axis_name`, and whether the engine measures each gradient's norm
-  itself (`measures_noise`); raises naming the option.
+  """Checks an ``update``'s options, one check per option (each raises
+  naming its option), given ``accumulate``'s fixed ``every_k`` (None for a
+  schedule), `skip_nonfinite`, `track_noise_scale` and `axis_name`, and
+  whether the engine measures each gradient's norm itself
+  (`measures_noise`). An option left at its default needs no check.
 
   Called before any ``jit`` of the update, so that concrete values are
   seen.
@@ -274,26 +275,43 @@ def update_call(
   as_given = dict(weight=weight, emit=emit, noise_stats=noise_stats)
   if flush is not False:
     as_given["flush"] = flush
-  # weight: a float32[]. A concrete negative weight raises, and so does a
-  # concrete NaN or Inf unless `skip_nonfinite` (which drops that
-  # micro-batch); a traced one is used as given.
-  if weight is not None:
-    weight = real_scalar(
-      weight, "`weight` must be", " (one value per micro-batch)"
+  checked = Call(
+    weight=None if weight is None else update_weight(weight, skip_nonfinite),
+    flush=jnp.asarray(False) if flush is False else update_flush(flush),
+    may_flush=flush is not False,
+    emit=None if emit is None else update_emit(emit, flush, fixed_every_k),
+    noise_stats=noise_stats,
+    as_given=as_given,
+  )
+  if noise_stats is not None or track_noise_scale:
+    update_noise_stats(
+      noise_stats, track_noise_scale, axis_name, measures_noise
     )
-    if not isinstance(weight, jax.core.Tracer):
-      value = np.asarray(weight)
-      if value < 0:
-        raise ValueError(f"`weight` must be >= 0, got {value}.")
-      if not (np.isfinite(value) or skip_nonfinite):
-        raise ValueError(
-          f"`weight` must be finite, got {value}: the cycle's mean would be"
-          " NaN. Build accumulate with `skip_nonfinite=True` to drop such"
-          " micro-batches instead."
-        )
-    weight = weight.astype(jnp.float32)
+  return checked
 
-  # flush: a bool[].
+
+def update_weight(weight: Any, skip_nonfinite: bool) -> jax.Array:
+  """``update(..., weight=)`` as a float32[]. A concrete negative weight
+  raises, and so does a concrete NaN or Inf unless `skip_nonfinite` (which
+  drops that micro-batch); a traced one is used as given."""
+  weight = real_scalar(
+    weight, "`weight` must be", " (one value per micro-batch)"
+  )
+  if not isinstance(weight, jax.core.Tracer):
+    value = np.asarray(weight)
+    if value < 0:
+      raise ValueError(f"`weight` must be >= 0, got {value}.")
+    if not (np.isfinite(value) or skip_nonfinite):
+      raise ValueError(
+        f"`weight` must be finite, got {value}: the cycle's mean would be"
+        " NaN. Build accumulate with `skip_nonfinite=True` to drop such"
+        " micro-batches instead."
+      )
+  return weight.astype(jnp.float32)
+
+
+def update_flush(flush: Any) -> jax.Array:
+  """``update(..., flush=)`` as a bool[]: a boolean scalar, or it raises."""
   try:
     is_bool_scalar = not (flush is None or isinstance(flush, str | bytes)) and (
       jnp.result_type(flush) == jnp.bool_ and jnp.ndim(flush) == 0
@@ -305,35 +323,45 @@ def update_call(
       "`flush` must be a boolean scalar (True ends the cycle at this call),"
       f" got {flush!r} of type {type(flush).__name__}."
     )
-  flush_array = jnp.asarray(flush)
+  return jnp.asarray(flush)
 
-  # emit: None or a Python bool, without flush.
-  if emit is not None:
-    if not isinstance(emit, bool | np.bool_):
-      raise TypeError(
-        "`emit` must be None (the counter decides on the device) or a"
-        " Python bool known when the step is traced, e.g. `jax.jit(step,"
-        f" static_argnames='emit')`; got {emit!r} of type"
-        f" {type(emit).__name__}."
-      )
-    if flush is not False:
-      raise ValueError(
-        "`flush` cannot be combined with `emit`: a call with `emit=True`"
-        " already ends the cycle, whatever its length. Pass `emit=True`"
-        f" instead of `flush`; got flush={flush!r} with emit={emit!r}."
-      )
-    emit = bool(emit)
-    if not emit and fixed_every_k == 1:
-      raise ValueError(
-        "`emit=False` holds the cycle open, but with every_k=1 every call"
-        " ends its cycle: a later call without `emit=` runs the inner"
-        " optimizer alone and would not read the gradients held. For"
-        " cycles the host decides, build accumulate with the longest"
-        " cycle as `every_k` and pass `emit=True` where each ends; got"
-        " emit=False with every_k=1."
-      )
 
-  # noise_stats: where the engine needs them, and only there.
+def update_emit(emit: Any, flush: Any, fixed_every_k: int | None) -> bool:
+  """``update(..., emit=)``: a Python bool, without `flush`, and not
+  ``False`` where every call ends its cycle (a fixed k of 1)."""
+  if not isinstance(emit, bool | np.bool_):
+    raise TypeError(
+      "`emit` must be None (the counter decides on the device) or a"
+      " Python bool known when the step is traced, e.g. `jax.jit(step,"
+      f" static_argnames='emit')`; got {emit!r} of type"
+      f" {type(emit).__name__}."
+    )
+  if flush is not False:
+    raise ValueError(
+      "`flush` cannot be combined with `emit`: a call with `emit=True`"
+      " already ends the cycle, whatever its length. Pass `emit=True`"
+      f" instead of `flush`; got flush={flush!r} with emit={emit!r}."
+    )
+  if not emit and fixed_every_k == 1:
+    raise ValueError(
+      "`emit=False` holds the cycle open, but with every_k=1 every call"
+      " ends its cycle: a later call without `emit=` runs the inner"
+      " optimizer alone and would not read the gradients held. For"
+      " cycles the host decides, build accumulate with the longest"
+      " cycle as `every_k` and pass `emit=True` where each ends; got"
+      " emit=False with every_k=1."
+    )
+  return bool(emit)
+
+
+def update_noise_stats(
+  noise_stats: Any,
+  track_noise_scale: bool,
+  axis_name: Hashable | None,
+  measures_noise: bool,
+) -> None:
+  """``update(..., noise_stats=)``: given where the engine needs them (the
+  noise scale tracked over gradients it cannot measure), and only there."""
   if noise_stats is None:
     if track_noise_scale and not measures_noise:
       raise ValueError(
@@ -363,15 +391,6 @@ def update_call(
       " returned by `local_value_and_grad(..., noise_stats=True)`, got"
       f" {type(noise_stats).__name__}."
     )
-
-  return Call(
-    weight=weight,
-    flush=flush_array,
-    may_flush=flush is not False,
-    emit=emit,
-    noise_stats=noise_stats,
-    as_given=as_given,
-  )
 
 
 def dropin_options(opt_state: Any, reader: str, **options: Any) -> dict:

@@ -139,12 +139,12 @@ class Local:
   ``axis_name`` asks for:
 
   * ``reduce(acc, scalars, *, per_leaf, specs) -> (acc, scalars)``: the
-    cycle's sums over the devices (``_accumulate._reduce``);
+    cycle's sums over the devices (``_inner.reduce_cycle``);
   * ``reduced_specs(acc, params)``: where the reduced sum is laid out, or
-    None where its type has no layout (``_accumulate._inner_types``);
+    None where its type has no layout (``_inner.inner_types``);
   * ``shares_buffer(acc)``: whether the updates may be written into the
     accumulator's own buffer, as far as the devices go
-    (``_accumulate._shares_buffer``).
+    (``_forms.shares_buffer``).
   """
 
   axis_name: Hashable | None = None
@@ -245,10 +245,10 @@ def cond(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any):
 #: insertion; seen with 0.10.2 and 0.11.0, not with 0.11.1, 0.11.2 or
 #: 0.12.0.1, compiled for an H100): a holding branch placed last costs twelve
 #: 16 MiB copies on every call (:func:`cond` keeps it first), and a switch
-#: with a second pass-through branch, such as ``_apply_inside``'s for a
-#: weightless cycle in ``_accumulate.py``, 40 parameter-sized copies and 3.37
+#: with a second pass-through branch, such as ``apply_inside``'s for a
+#: weightless cycle in ``_forms.py``, 40 parameter-sized copies and 3.37
 #: accumulators of memory (bf16 params, adam, 4 x 2048^2). Where it is
-#: true, ``_decide_on_device`` keeps bf16 updates in the accumulator's
+#: true, ``decide_on_device`` keeps bf16 updates in the accumulator's
 #: buffer instead (one conditional with a single pass-through branch, and
 #: 0.2's memory). Held on the ``make test-py311`` leg (jax 0.10.2) by
 #: ``tests/test_accelerators.py`` (``test_extra_memory_is_at_most_the_accumulator``
@@ -258,7 +258,7 @@ LATER_BRANCHES_COPY = not _versions.jax_at_least("0.11.1")
 
 #: Below this many bytes of accumulator, a program compiled for a GPU (one
 #: device) decides the end of a cycle with selects, not conditionals
-#: (``_decide(..., selects=True)`` in ``_accumulate.py``). XLA:GPU records a
+#: (``decide(..., selects=True)`` in ``_forms.py``). XLA:GPU records a
 #: conditional as a CUDA-graph conditional node, and on an H200 the host's
 #: dispatch of the tiny model's traced step (two of them) took 6-9 µs longer
 #: a call than its ``emit=`` step or ``optax.MultiSteps``' (no conditional:
@@ -271,21 +271,6 @@ LATER_BRANCHES_COPY = not _versions.jax_at_least("0.11.1")
 #: ``tests/test_accelerators.py`` (the tiny step compiled for an H100 has no
 #: conditional, the 64 MiB one keeps it; plant ``selects_everywhere``).
 SELECTS_BELOW_BYTES = 1 << 20
-
-
-def decides_with_selects(axis_name: Hashable | None, acc: Any) -> bool:
-  """Whether a GPU program of this call ends a cycle with selects: one
-  device (no `axis_name`) and an accumulator below
-  :data:`SELECTS_BELOW_BYTES`. With `axis_name` never: the selects would
-  run the emitting branch's reduction on every micro-step (k times the
-  communication the deferred reduction promises), whatever the size. Held
-  by ``tests/test_accelerators.py`` (a small state compiled for 8 H100s
-  keeps its conditional and its one reduction inside; plant
-  ``selects_with_axis_name``)."""
-  if axis_name is not None:
-    return False
-  size = sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(acc))
-  return size < SELECTS_BELOW_BYTES
 
 
 def random_bits(shape: Sequence[int], key: jax.Array) -> jax.Array:
@@ -408,7 +393,7 @@ def run_if_weighted(
   and after it). Seen for the unreduced and ``shard_map`` engines with
   jax/jaxlib 0.10.2 (8 parameter-sized copies per micro-step with Adam, 2
   layers). `skip` is branch 0 and passes its operands through (see
-  :func:`cond`). Used on CPU only (``_inner_where_weighted`` in ``_accumulate.py``). Held
+  :func:`cond`). Used on CPU only (``_inner_where_weighted`` in ``_forms.py``). Held
   by ``tests/test_flax_mesh.py`` (no parameter-sized copy on a micro-step).
   """
   return cond(weighted, run, skip, *operands)

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_accum import _checks
-from optax_accum._accumulate import add_term, compute_dtype, zeros_like_type
+from optax_accum._accumulate import add_term, compute_dtype
+from optax_accum._records import zeros_like_type
 
 
 class Total(NamedTuple):

@@ -279,7 +279,7 @@ AccumulateState.__module__ = "optax_accum"
 
 # One meaning on every backend (issue 54): read by name, `acc_grads` is the
 # open cycle's sum, zeros where none is open, though the CPU form leaves the
-# cycle's updates in the buffer (`_accumulate._close`). The field keeps its
+# cycle's updates in the buffer (`_forms.close`). The field keeps its
 # name and place, so that checkpoints of optax.MultiSteps and optax_accum
 # 0.2, whose `acc_grads` shares the name, still land there in a lenient
 # restore and are caught (`_checks.not_a_foreign_restore`); reading the name

@@ -10,7 +10,7 @@ these releases, pinned in ``constraints/oldest.txt``; README,
 * jax 0.7.1: the first with ``jax.set_mesh`` (0.7.0 has only
   ``jax.sharding.use_mesh``; ``distributed.state_shardings`` on an explicit
   mesh and the tests set meshes with it). 0.6 lacks more: ``jnp.zeros`` has
-  no ``out_sharding`` (accumulators on an explicit mesh, ``zeros_like_type`` in ``_accumulate.py``), and
+  no ``out_sharding`` (accumulators on an explicit mesh, ``zeros_like_type`` in ``_records.py``), and
   a ``ShapeDtypeStruct``'s ``vma`` may be ``None``. Before jax 0.8.2
   ``lax.pcast(x, axes, to="varying")`` is ``lax.pvary(x, axes)``
   (``_control.to_varying``).

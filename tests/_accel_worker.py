@@ -26,7 +26,7 @@ import bench_compiled  # noqa: E402
 import jax  # noqa: E402
 from jax import lax  # noqa: E402
 
-from optax_accum import _accumulate, _control  # noqa: E402
+from optax_accum import _accumulate, _control, _forms, _inner  # noqa: E402
 
 
 def _plain_lax_cond(pred, true_fun, false_fun, *operands):
@@ -47,7 +47,7 @@ def _cpu_form_everywhere(*args, cpu, accelerator, gpu=None):
   return cpu(*args)
 
 
-_reduce = _accumulate._reduce
+_reduce = _inner.reduce_cycle
 
 
 def _reduction_after_the_whole_gradient(
@@ -61,7 +61,7 @@ def _reduction_after_the_whole_gradient(
 def _narrow_updates_shared(config, engine, inner, cycle):
   """Before issue 52: bf16 updates through the float32 accumulator's
   buffer, applied after the conditional."""
-  return _accumulate._decide(config, engine, inner, cycle, shares=True)
+  return _forms.decide(config, engine, inner, cycle, shares=True)
 
 
 _add = _accumulate._add
@@ -75,12 +75,12 @@ def _add_kept_apart(config, engine, state, grads, call, *, params):
   return _add(config, engine, state, grads, call, params=params)
 
 
-_apply_inside = _accumulate._apply_inside
+_apply_inside = _forms.apply_inside
 
 
 def _add_in_branches(config, engine, inner, cycle):
   """The route to issue 52's 1.05 that costs memory: the library's own
-  `_apply_inside`, whose switch gets the add's terms as operands and makes
+  `_forms.apply_inside`, whose switch gets the add's terms as operands and makes
   the sum inside every branch (the default call: no weight, no skip), so
   that the updating branch fuses the add into the optimizer's kernels, as
   the static step does, and every gradient is an operand of the switch."""
@@ -114,27 +114,27 @@ PLANTS = {
   "conditional_everywhere": (_control, "SELECTS_BELOW_BYTES", 0),
   # Selects under axis_name too (issue 70: the reduction on every call).
   "selects_with_axis_name": (
-    _control,
+    _forms,
     "decides_with_selects",
     lambda axis_name, acc: True,
   ),
-  # The three-branch switch of `_apply_inside` on every jax, 0.10.2's too.
+  # The three-branch switch of `apply_inside` on every jax, 0.10.2's too.
   "switch_on_every_xla": (_control, "LATER_BRANCHES_COPY", False),
   "add_in_branches": [
     (_accumulate, "_add", _add_kept_apart),
-    (_accumulate, "_apply_inside", _add_in_branches),
+    (_forms, "apply_inside", _add_in_branches),
   ],
   "narrow_updates_shared": (
-    _accumulate,
-    "_apply_inside",
+    _forms,
+    "apply_inside",
     _narrow_updates_shared,
   ),
   "lax_cond": (_control, "cond", _plain_lax_cond),
   "holding_branch_last": (_control, "cond", _holding_branch_last),
-  "cpu_form": (_accumulate, "_per_backend", _cpu_form_everywhere),
+  "cpu_form": (_forms, "per_backend", _cpu_form_everywhere),
   "one_reduction": (
-    _accumulate,
-    "_reduce",
+    _inner,
+    "reduce_cycle",
     _reduction_after_the_whole_gradient,
   ),
 }

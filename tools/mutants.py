@@ -90,7 +90,7 @@ MUTANTS = [
   # -- The eleven of issue 37 (tests/test_edges.py holds each). ------------
   _m(
     "issue-1 fractional total weight left undivided",
-    "_accumulate.py",
+    "_inner.py",
     "1.0 / jnp.where(total_weight <= 0, 1.0, total_weight)",
     "1.0 / jnp.where(total_weight <= 1, 1.0, total_weight)",
     [EDGES, "-k", "fractional"],
@@ -131,7 +131,7 @@ MUTANTS = [
   ),
   _m(
     "issue-6 weightless cycle's inner state kept under selects",
-    "_accumulate.py",
+    "_forms.py",
     "state = select(weighted, ran.inner_state, operands.state)",
     "state = ran.inner_state",
     [EDGES, "-k", "weightless"],
@@ -172,8 +172,8 @@ MUTANTS = [
   _m(
     "issue-11 from_multisteps ignores every_k=",
     "multisteps.py",
-    "k = fresh.every_k if every_k is None else jnp.asarray(every_k, jnp.int32)",
-    "k = fresh.every_k",
+    "    k = jnp.asarray(every_k, jnp.int32)\n",
+    "    pass\n",
     [EDGES, "-k", "honours_every_k"],
     "the converted run updates after the target's k, not the one given",
   ),
@@ -213,7 +213,7 @@ MUTANTS += [
   ),
   _m(
     "extra arguments dropped on emitting calls",
-    "_accumulate.py",
+    "_inner.py",
     "grad, operands.state, params, **inner.extra_args",
     "grad, operands.state, params",
     [EDGES, "-k", "extra_arguments"],
@@ -221,7 +221,7 @@ MUTANTS += [
   ),
   _m(
     "reduction='sum' divides anyway",
-    "_accumulate.py",
+    "_inner.py",
     'if config.reduction == "mean":',
     "if True:",
     [DIFF, "-k", "sum_reduction and not nojit"],
@@ -237,7 +237,7 @@ MUTANTS += [
   ),
   _m(
     "emitted updates in the accumulator's dtype",
-    "_accumulate.py",
+    "_forms.py",
     "lambda b, t: jnp.where(updated, b.astype(t.dtype), 0),",
     "lambda b, t: jnp.where(updated, b, 0),",
     [ACC, "-k", "dtypes_match"],
@@ -245,7 +245,7 @@ MUTANTS += [
   ),
   _m(
     "inner sees the accumulator's dtype",
-    "_accumulate.py",
+    "_inner.py",
     "lambda a, g: a.astype(g.dtype), grad,",
     "lambda a, g: a, grad,",
     [ACC, "-k", "dtypes_match or inner_state_takes"],
@@ -370,7 +370,7 @@ MUTANTS += [
   # -- The ends: traced, emit=, the backend forms. -----------------------------
   _m(
     "traced end runs inner on a weightless cycle",
-    "_accumulate.py",
+    "_forms.py",
     "enter = cycle.ends & ~(cycle.weight <= 0)",
     "enter = cycle.ends",
     [EDGES, "-k", "weightless"],
@@ -378,7 +378,7 @@ MUTANTS += [
   ),
   _m(
     "emit=True emits a weightless cycle",
-    "_accumulate.py",
+    "_forms.py",
     "updated=mean.operands.weighted,",
     "updated=jnp.asarray(True),",
     [DIFF, "-k", "emit_k3 and not nojit"],
@@ -386,7 +386,7 @@ MUTANTS += [
   ),
   _m(
     "CPU own-buffer end steps inner on a weightless cycle",
-    "_accumulate.py",
+    "_forms.py",
     "return _control.run_if_weighted(operands.weighted, run, skip, operands)",
     "return run(operands)",
     [EDGES, "-k", "weightless"],
@@ -394,7 +394,7 @@ MUTANTS += [
   ),
   _m(
     "acc_weight kept after a cycle ends",
-    "_accumulate.py",
+    "_forms.py",
     "acc_weight=jnp.where(cycle.ends, 0.0, branch.weight),",
     "acc_weight=branch.weight,",
     [FORMS, "-k", "same_run and bf16_accumulator"],
@@ -402,7 +402,7 @@ MUTANTS += [
   ),
   _m(
     "emit=True keeps acc_weight",
-    "_accumulate.py",
+    "_forms.py",
     "engine)\n    return ended(ran, acc, jnp.zeros_like(cycle.weight))",
     "engine)\n    return ended(ran, acc, cycle.weight)",
     [FORMS, "-k", "same_run and static"],
@@ -418,7 +418,7 @@ MUTANTS += [
   ),
   _m(
     "a weightless CPU cycle's end unmarked",
-    "_accumulate.py",
+    "_forms.py",
     "params, out, jnp.where(ends & (weight == 0), -jnp.inf, weight)",
     "params, out, weight",
     [FORMS, "-k", "same_run and weightless_sum"],
@@ -477,7 +477,7 @@ MUTANTS += [
   _m(
     "from_multisteps keeps the running mean as the sum",
     "multisteps.py",
-    "scale = n.astype(jnp.float32) if use_grad_mean else jnp.float32(1)",
+    "scale = n.astype(jnp.float32) if mean else jnp.float32(1)",
     "scale = jnp.float32(1)",
     [MULTI[1], "-k", "continues_under_accumulate"],
     "a converted mid-cycle run loses (n - 1) / n of the partial sum",
@@ -518,7 +518,7 @@ MUTANTS += [
   # static end, 0.2 checkpoints. ------------------------------------------
   _m(
     "a weightless bf16 cycle's sum kept on GPU/TPU",
-    "_accumulate.py",
+    "_forms.py",
     "    acc = engine.cleared(cycle.ends, cycle.acc, cycle.acc)\n",
     "    acc = cycle.acc\n",
     [FORMS, "-k", "bf16_params"],
@@ -526,7 +526,7 @@ MUTANTS += [
   ),
   _m(
     "bf16 cycle on GPU/TPU folds no noise",
-    "_accumulate.py",
+    "_forms.py",
     "params=ran.params,\n      noise=mean.noise,",
     "params=ran.params,\n      noise=cycle.noise,",
     [FORMS, "-k", "bf16_params"],
@@ -534,7 +534,7 @@ MUTANTS += [
   ),
   _m(
     "a weightless static CPU end unmarked",
-    "_accumulate.py",
+    "_forms.py",
     "    weight = jnp.where(cycle.weight == 0, -jnp.inf, cycle.weight)",
     "    weight = cycle.weight",
     [FORMS, STATIC, EDGES, "-k", "static or weightless"],
@@ -561,8 +561,8 @@ MUTANTS += [
   _m(
     "k=1 emit=False no longer refused",
     "_checks.py",
-    "    if not emit and fixed_every_k == 1:",
-    "    if False:",
+    "  if not emit and fixed_every_k == 1:",
+    "  if False:",
     [STATIC, "-k", "every_k_1"],
     "emit=False at every_k=1 holds a cycle the next call never reads",
   ),
@@ -585,7 +585,7 @@ MUTANTS += [
   ),
   _m(
     "float64 mean taken with a float32 inverse",
-    "_accumulate.py",
+    "_inner.py",
     "  total_weight = total_weight.astype(dtype)\n",
     "  total_weight = total_weight.astype(jnp.float32)\n",
     ["tests/test_dtypes.py", "-k", "float64"],
@@ -675,7 +675,7 @@ MUTANTS += [
   _m(
     "k=1 runs inner alone past a narrow accumulator",
     "_accumulate.py",
-    "    and _fits(updates, acc)\n",
+    "    and _forms.fits(updates, acc)\n",
     "",
     ["tests/test_dtypes.py", "-k", "every_k_1"],
     "bf16 accumulator at k=1: rounded with weight=, not without",
@@ -752,8 +752,8 @@ MUTANTS += [
   _m(
     "emit takes only a Python bool",
     "_checks.py",
-    "    if not isinstance(emit, bool | np.bool_):",
-    "    if not isinstance(emit, bool):",
+    "  if not isinstance(emit, bool | np.bool_):",
+    "  if not isinstance(emit, bool):",
     [INPUTS, "-k", "numpy_bool"],
     "update(..., emit=np.bool_(True)) raises a TypeError",
   ),
@@ -784,7 +784,7 @@ MUTANTS += [
   ),
   _m(
     "holds exactly compares mantissas only",
-    "_accumulate.py",
+    "_forms.py",
     "  return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp",
     "  return w.nmant >= n.nmant",
     [INPUTS, "-k", "narrower_range"],
@@ -961,7 +961,7 @@ MUTANTS += [
   # -- Selects for a small state on a GPU (issue 61 item 2). ---------------
   _m(
     "gpu selects keep a weightless end's update",
-    "_accumulate.py",
+    "_forms.py",
     "    branch = select(enter, update(cycle, mean_sq), hold(cycle, mean_sq))",
     "    branch = select(cycle.ends, update(cycle, mean_sq), hold(cycle, mean_sq))",
     [FORMS, "-k", "same_run"],
@@ -969,7 +969,7 @@ MUTANTS += [
   ),
   _m(
     "gpu selects never close the cycle",
-    "_accumulate.py",
+    "_forms.py",
     "      params, out = close(params, out)",
     "      pass",
     [FORMS, "-k", "same_run"],
@@ -1109,7 +1109,7 @@ MUTANTS += [
   ),
   _m(
     "GPU selects form holds a NaN-weight cycle",
-    "_accumulate.py",
+    "_forms.py",
     "    branch = select(enter, update(cycle, mean_sq), hold(cycle, mean_sq))",
     "    branch = select(\n      enter & (cycle.weight > 0), update(cycle,"
     " mean_sq), hold(cycle, mean_sq)\n    )",
@@ -1119,7 +1119,7 @@ MUTANTS += [
   ),
   _m(
     "GPU selects form under axis_name",
-    "_control.py",
+    "_forms.py",
     "  if axis_name is not None:\n    return False\n",
     "",
     ["tests/test_accelerators.py", "-k", "small_state_on_several"],
@@ -1145,7 +1145,7 @@ MUTANTS += [
   ),
   _m(
     "every form holds a NaN-weight cycle",
-    "_accumulate.py",
+    "_forms.py",
     "  enter = cycle.ends & ~(cycle.weight <= 0) if checked else cycle.ends",
     "  enter = cycle.ends & (cycle.weight > 0) if checked else cycle.ends",
     [FORMS, "-k", "nan_weight"],
@@ -1163,9 +1163,9 @@ MUTANTS += [
   ),
   _m(
     "GPU selects above the threshold",
-    "_control.py",
-    "  return size < SELECTS_BELOW_BYTES",
-    "  return size >= SELECTS_BELOW_BYTES",
+    "_forms.py",
+    "  return size < _control.SELECTS_BELOW_BYTES",
+    "  return size >= _control.SELECTS_BELOW_BYTES",
     ["tests/test_accelerators.py", "-k", "small_state_on_a_gpu"],
     "a tiny model on one GPU dispatches conditionals; a large one runs adam"
     " on every micro-step",
