@@ -72,9 +72,13 @@ $(ACCEL_STAMP): $(STAMP)
 	$(call install,$(VENV),--no-deps --target $(ACCEL) $$($(PY) -m optax_accum.targets))
 	touch $(ACCEL_STAMP)
 
+# ruff, then the type checker (mypy, `[tool.mypy]` in pyproject.toml) over
+# the package; tests/test_types.py checks the README's and the guides' code
+# with the same settings.
 lint: $(STAMP)
 	$(PY) -m ruff check optax_accum tests examples benchmarks tools docs
 	$(PY) -m ruff format --check optax_accum tests examples benchmarks tools docs
+	$(PY) -m mypy
 
 # Two workers: the CI machine has 2 cores and the suite is mostly
 # single-threaded compiles. loadscope keeps a module's tests (and its

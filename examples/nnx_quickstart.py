@@ -23,7 +23,6 @@ the parameters of one big batch.
 """
 
 import argparse
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +40,7 @@ def loss_fn(model: nnx.Module, x, y, mask):
 
 
 # The model and the optimizer (its accumulator) are updated in place.
-@functools.partial(nnx.jit, donate_argnums=(0, 1))
+@nnx.jit(donate_argnums=(0, 1))
 def accumulate_step(model, optimizer, x, y, mask):
   loss, grads = nnx.value_and_grad(loss_fn)(model, x, y, mask)
   # The loss is a mean over sum(mask) rows: weigh the gradient by them.

@@ -68,7 +68,7 @@ from optax_accum._records import (
   Result,
   Rounding,
 )
-from optax_accum._state import AccumulateState
+from optax_accum._state import AccumulateState, NoiseScaleState
 
 EveryK = int | Callable[..., Any] | _every_k.GrowEveryK
 
@@ -492,12 +492,12 @@ def _update(
     axis_name=config.axis_name,
     measures_noise=engine.measures_noise,
   )
-  inner = config.inner(values.every_k)
+  inner_tx = config.inner(values.every_k)
   # Two calls that are not this story: every call a cycle of its own
   # (`inner` alone, bit for bit), and an eager call on unreduced arrays (the
   # same story, jitted).
   if _is_inner_alone(config, call, updates, values.acc_buffer):
-    return _inner_alone(inner, updates, state, params, extra_args)
+    return _inner_alone(inner_tx, updates, state, params, extra_args)
   if not (engine.runs_eagerly or _checks.is_traced(updates)):
     return _jitted_update(config)(
       updates, state, params, **call.as_given, **extra_args
@@ -505,7 +505,7 @@ def _update(
 
   # 2. Add the micro-batch into the cycle.
   cycle, accepted = _add(config, engine, values, updates, call, params=params)
-  inner = _inner_types(engine, inner, extra_args, updates, cycle)
+  inner = _inner_types(engine, inner_tx, extra_args, updates, cycle)
 
   # 3. End the call: the device decides (traced), or the caller did (emit=).
   if call.emit is None:
@@ -579,7 +579,7 @@ def _add(
   """The cycle with this micro-batch added, and whether it was accepted
   (not dropped by `skip_nonfinite`), agreed over the devices."""
   weighted = call.weight is not None
-  weight = call.weight if weighted else jnp.ones([], jnp.float32)
+  weight = jnp.ones([], jnp.float32) if call.weight is None else call.weight
   accepted = jnp.asarray(True)
   if config.skip_nonfinite:
     # A zero-weight micro-batch (e.g. the 0/0 mean of an all-padding
@@ -600,25 +600,27 @@ def _add(
   if scale or (weighted and config.skip_nonfinite):
     # A zero-weight term counts for nothing, even NaN: with skip_nonfinite
     # the add selects already, so gradients="sum" keeps that rule too.
-    nonzero = weight != 0
+    nonzero = jnp.not_equal(weight, 0)
     keep = nonzero if keep is None else keep & nonzero
   # gradients="sum" without skip_nonfinite: the gradient carries its weight
   # already; adding it as is, with no select, lets every GEMM backend fuse
   # the add (cuBLAS only with no scale).
-  term = dict(ops=engine, weight=weight if scale else None, keep=keep)
+  term = functools.partial(
+    add_term, ops=engine, weight=weight if scale else None, keep=keep
+  )
   if config.rounding == "stochastic":
     # Only bfloat16 leaves round: a complex gradient keeps a complex
     # accumulator (and an integer one its own), which rounds as it adds.
     acc = jax.tree.map(
-      lambda a, g, key: add_term(
-        a, g, **term, key=key if a.dtype == jnp.bfloat16 else None
+      lambda a, g, key: term(
+        a, g, key=key if a.dtype == jnp.bfloat16 else None
       ),
       start,
       grads,
       _rounding_keys(engine, state, start),
     )
   else:
-    acc = jax.tree.map(lambda a, g: add_term(a, g, **term), start, grads)
+    acc = jax.tree.map(lambda a, g: term(a, g), start, grads)
   noise = state.noise
   if config.track_noise_scale:
     noise = _add_noise(
@@ -691,7 +693,7 @@ def _cycle_start(
     leftovers = (micro_step == 0) & (acc_weight != 0)
     return acc, jnp.where(leftovers, -jnp.inf, acc_weight)
 
-  return _forms.per_backend(
+  return _control.per_backend(
     micro_step, acc, acc_weight, cpu=not_read, accelerator=thrown_away
   )
 
@@ -708,13 +710,15 @@ def _add_noise(
 ) -> Noise:
   """The noise-scale sums with this micro-batch: measured here, or by the
   gradient helper (`noise_stats`, Unreduced)."""
-  fresh = state.micro_step == 0
+  noise, fresh = state.noise, state.micro_step == 0
+  if not isinstance(noise, NoiseScaleState):  # not tracked: nothing to add
+    return noise
   if call.noise_stats is not None:
     return _noise_scale.add_stats(
-      state.noise, call.noise_stats, weight, accepted, fresh
+      noise, call.noise_stats, weight, accepted, fresh
     )
   return _noise_scale.add_micro_batch(
-    state.noise,
+    noise,
     grads,
     weight,
     accepted,

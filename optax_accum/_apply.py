@@ -162,9 +162,9 @@ def apply_updates(
   # of a flax.nnx.Optimizer's opt_state.
   emitted = jnp.asarray(state.emitted if record is None else record.emitted)
   how = _route(record, params, emitted)
-  if how == "static":
+  if how == "static" and record is not None:  # (static and applied: a record)
     return optax.apply_updates(params, updates) if record.emitted else params
-  if how == "applied":
+  if how == "applied" and record is not None:
     return record.new_params
   if how == "eager":
     return optax.apply_updates(params, updates) if bool(emitted) else params

@@ -9,7 +9,7 @@ is traced, and its weights where they are concrete.
 import functools
 import operator
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple, ParamSpec, TypeVar
+from typing import Any, Literal, NamedTuple, ParamSpec, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
+from optax_accum import _control
 from optax_accum._noise_scale import NoiseStats
 from optax_accum._state import (
   AccumulateState,
@@ -197,17 +198,21 @@ def options(reduction: Any, axis_name: Any, gradients: Any) -> None:
 ROUNDINGS = ("nearest", "stochastic")
 
 
-def rounding(value: Any, accumulator_dtype: Any) -> str:
+def rounding(
+  value: Any, accumulator_dtype: Any
+) -> Literal["nearest", "stochastic"]:
   """`rounding` as given, where it fits the accumulator; raises naming it."""
-  if value not in ROUNDINGS:
+  if value == "nearest":
+    return "nearest"
+  if value != "stochastic":
     raise ValueError(f"`rounding` must be one of {ROUNDINGS}, got {value!r}.")
-  if value == "stochastic" and accumulator_dtype != jnp.bfloat16:
+  if accumulator_dtype != jnp.bfloat16:
     raise ValueError(
       "`rounding='stochastic'` rounds each add into a bfloat16 accumulator:"
       " pass accumulator_dtype=jnp.bfloat16 with it (got accumulator_dtype="
       f"{accumulator_dtype}, whose adds it would not round)."
     )
-  return value
+  return "stochastic"
 
 
 def reduce_dtype(value: Any, axis_name: Any) -> Any:
@@ -490,6 +495,7 @@ def tree_matches(name: str, tree: Any, acc_grads: Any) -> list:
   Returns:
     ``(key path, leaf, accumulator leaf)`` of every leaf.
   """
+  treedef: _control.TreeDef
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
   acc_flat, acc_def = jax.tree_util.tree_flatten_with_path(acc_grads)
   if treedef != acc_def:
@@ -519,7 +525,7 @@ def trees(grads: Any, params: Any, acc_grads: Any) -> None:
   state's accumulator (made by ``init`` from the params): `state` when the
   gradients and the params agree with each other but not with it, else
   `updates` or `params`, at the first leaf that differs."""
-  tree = jax.tree.structure(grads)
+  tree: _control.TreeDef = jax.tree.structure(grads)
   grad_params = None if params is None else gradient_params(params)
   if (
     grad_params is not None

@@ -1,8 +1,11 @@
 """Control flow that compilers keep, the one-device operations, and every
 XLA workaround, in one place.
 
-Three parts:
+Four parts:
 
+* **Per backend**: :func:`per_backend`, the one switch between what a
+  program for CPU and one for a GPU or TPU compute (``_forms.py`` says why
+  each form is what its backend compiles best).
 * **Varying manual axes** (inside ``jax.shard_map`` with ``check_vma=True``,
   every value's type records the mesh axes it varies over; a ``psum``
   removes the axis, so the branches of a conditional that reduces in one
@@ -33,6 +36,11 @@ from jax import lax
 
 from optax_accum import _versions
 
+# A tree's structure (``jax.tree.structure``), as annotated where two are
+# compared: jaxlib ships its PyTreeDef without a stub (jax 0.12.0.1:
+# jaxlib/_jax.so, no .pyi), so a checker sees no `==` on it.
+TreeDef = Any
+
 
 def axis_tuple(axis_name: Hashable) -> tuple:
   """The axis names in `axis_name` (one name or a tuple of names)."""
@@ -61,8 +69,9 @@ def to_varying(tree: Any, axis_name: Hashable) -> Any:
   """``lax.pcast(tree, axis_name, to="varying")``: marks every leaf as
   varying over the manual axes `axis_name` (a name or a tuple of names)."""
   if not hasattr(lax, "pcast"):
-    # jax < 0.8.2 names it `lax.pvary` (removed in jax 0.10).
-    return lax.pvary(tree, axis_name)
+    # jax < 0.8.2 names it `lax.pvary` (removed in jax 0.10: the jax a
+    # checker reads has none).
+    return lax.pvary(tree, axis_name)  # type: ignore[attr-defined]
   return lax.pcast(tree, axis_name, to="varying")
 
 
@@ -122,6 +131,33 @@ def varying_alike(branches: Sequence[Callable], *operands: Any) -> list:
     return unified
 
   return [unify(f) for f in branches]
+
+
+def per_backend(
+  *args: Any,
+  cpu: Callable,
+  accelerator: Callable,
+  gpu: Callable | None = None,
+) -> Any:
+  """`cpu(*args)` in a program compiled for CPU, `gpu(*args)` (where given)
+  in one for a GPU, else `accelerator(*args)`. Branches that are one
+  function are traced once.
+
+  Where CPU and GPU/TPU programs differ: its callers in ``_forms.py``
+  (and the cycle's start in ``_accumulate.py``) say why each form is what
+  that backend compiles best. The tests pin this to one form to run the
+  others on CPU.
+  """
+  forms = [accelerator] + ([] if cpu is accelerator else [cpu])
+  forms += [] if gpu is None else [gpu]
+  if len(forms) > 1:  # Inside shard_map: the forms' outputs typed alike.
+    forms = varying_alike(forms, *args)
+  branches = {"default": forms[0]}
+  if cpu is not accelerator:
+    branches["cpu"] = forms[1]
+  if gpu is not None:
+    branches["cuda"] = branches["rocm"] = forms[-1]
+  return lax.platform_dependent(*args, **branches)
 
 
 # ----------------------------------------------------------------------------
@@ -210,6 +246,26 @@ class Local:
   def sample_axes(self) -> Hashable | None:
     """The axes each device's gradient is a noise-scale sample over."""
     return None
+
+  # What only a call with `axis_name` asks for (``_engines.py`` has them):
+  # declared here, so that each is one method whatever the engine.
+
+  def reduce(
+    self, acc: Any, scalars: tuple, *, per_leaf: bool, specs: Any
+  ) -> tuple[Any, tuple]:
+    """`acc` and the cycle's `scalars` summed over the devices."""
+    raise NotImplementedError(_NEEDS_AXIS)
+
+  def reduced_specs(self, acc: Any, params: Any) -> Any:
+    """The reduced sum's layout (None where its type has none)."""
+    raise NotImplementedError(_NEEDS_AXIS)
+
+  def shares_buffer(self, acc: Any) -> bool:
+    """Whether the accumulator can hold the updates (their type)."""
+    raise NotImplementedError(_NEEDS_AXIS)
+
+
+_NEEDS_AXIS = "only an accumulate with `axis_name` sums over devices"
 
 
 LOCAL = Local()

@@ -181,7 +181,9 @@ def for_init(axis_name: Hashable, params: Any) -> Local:
   """
   if is_bound(axis_name) or not _unreduced.is_supported():
     return ShardMap(axis_name)
-  meshes = [jax.sharding.get_abstract_mesh()]
+  meshes: list[jax.sharding.Mesh | jax.sharding.AbstractMesh] = [
+    jax.sharding.get_abstract_mesh()
+  ]
   for p in jax.tree.leaves(params):
     sharding = getattr(p, "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding):

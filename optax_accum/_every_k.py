@@ -137,9 +137,10 @@ def grow_every_k(
 def _positive_real(value: Any, name: str) -> float:
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
     raise TypeError(f"`{name}` must be a positive real number, got {value!r}.")
-  if not (np.isfinite(value) and value > 0):
+  real = float(value)
+  if not (np.isfinite(real) and real > 0):
     raise ValueError(f"`{name}` must be a positive real number, got {value!r}.")
-  return float(value)
+  return real
 
 
 def piecewise_every_k(
@@ -319,10 +320,16 @@ def schedule_value(value: Any) -> jax.Array:
   return jnp.clip(k, 1, _FLOAT32_BELOW_INT32_MAX).astype(jnp.int32)
 
 
-def _scheduled(spec: Spec, step: jax.Array, weight_seen: jax.Array):
+def _scheduled(
+  spec: Spec, step: jax.Array, weight_seen: jax.Array
+) -> jax.Array:
+  """The k `spec`'s schedule gives at `step` (a spec that has one)."""
+  schedule = spec.schedule
+  if schedule is None:  # a fixed k or the controller: no schedule to call
+    raise TypeError(f"`every_k` {spec} has no schedule.")
   if spec.takes_weight:
-    return schedule_value(spec.schedule(step, weight_seen))
-  return schedule_value(spec.schedule(step))
+    return schedule_value(schedule(step, weight_seen))
+  return schedule_value(schedule(step))
 
 
 def first(spec: Spec) -> jax.Array:
@@ -414,7 +421,7 @@ def next_k(
   controller state. `step` and `weight_seen` are after this cycle."""
   if spec.fixed is not None:
     return k, grow_state
-  if spec.schedule is not None:
+  if spec.grow is None:  # a schedule
     return _scheduled(spec, step, _state.total_of(weight_seen)), grow_state
   grown, new_state = _grown(
     spec.grow, k, grow_state, noise, weight_seen, cycle_micro_batches, decay

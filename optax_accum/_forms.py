@@ -27,7 +27,7 @@ workaround of a compiler's fusion and copy rules, said beside it:
   does not read: its add starts from zeros, a select fused into it
   (:func:`cycle_start`).
 
-Where CPU and GPU/TPU programs differ is :func:`per_backend` and its
+Where CPU and GPU/TPU programs differ is :func:`_control.per_backend` and its
 callers. One meaning of the state on every backend: while a cycle is open
 (micro_step > 0), ``acc_grads`` and ``acc_weight`` hold its sum and total
 weight. At micro_step 0 no cycle is open: ``acc_grads`` holds zeros
@@ -47,13 +47,12 @@ compiled programs to these points.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from optax_accum import _control, _inner
 from optax_accum._control import Local
@@ -89,35 +88,6 @@ class Closed(NamedTuple):
   params: optax.Params | None  # the updates applied; None without params
   acc: optax.Updates
   acc_weight: jax.Array
-
-
-# ----------------------------------------------------------------------------
-# Where CPU and GPU/TPU programs differ.
-# ----------------------------------------------------------------------------
-
-
-def per_backend(
-  *args: Any,
-  cpu: Callable,
-  accelerator: Callable,
-  gpu: Callable | None = None,
-) -> Any:
-  """`cpu(*args)` in a program compiled for CPU, `gpu(*args)` (where given)
-  in one for a GPU, else `accelerator(*args)`. Branches that are one
-  function are traced once.
-
-  The tests pin this to one form to run the others on CPU.
-  """
-  forms = [accelerator] + ([] if cpu is accelerator else [cpu])
-  forms += [] if gpu is None else [gpu]
-  if len(forms) > 1:  # Inside shard_map: the forms' outputs typed alike.
-    forms = _control.varying_alike(forms, *args)
-  branches = {"default": forms[0]}
-  if cpu is not accelerator:
-    branches["cpu"] = forms[1]
-  if gpu is not None:
-    branches["cuda"] = branches["rocm"] = forms[-1]
-  return lax.platform_dependent(*args, **branches)
 
 
 # ----------------------------------------------------------------------------
@@ -164,7 +134,7 @@ def decide_on_device(
   if narrow and cycle.params is not None and not _control.LATER_BRANCHES_COPY:
     accelerator = functools.partial(apply_inside, config, engine, inner)
   small = decides_with_selects(engine.axis_name, cycle.acc)
-  return per_backend(
+  return _control.per_backend(
     cycle,
     cpu=conditional,
     accelerator=accelerator,
@@ -413,7 +383,7 @@ def end_cycle_now(
     acc = _control.cleared(always, cycle.acc, engine)
     return ended(ran, acc, jnp.zeros_like(cycle.weight))
 
-  return per_backend(cycle, cpu=leftovers, accelerator=zeros)
+  return _control.per_backend(cycle, cpu=leftovers, accelerator=zeros)
 
 
 def keep_cycle_open(inner: Inner, cycle: Cycle) -> Result:
@@ -489,7 +459,7 @@ def _inner_where_weighted(
   conditional of its own there costs the 8-H100 ``shard_map`` step a
   quarter of the accumulator more memory, ``tests/test_accelerators.py``).
   A caller already in one backend's form calls that form itself."""
-  return per_backend(
+  return _control.per_backend(
     operands,
     cpu=functools.partial(_run_if_weighted, config, inner, apply=apply),
     accelerator=functools.partial(run_then_select, config, inner, apply=apply),
@@ -574,7 +544,7 @@ def close(
       params, out, jnp.where(ends & (weight == 0), -jnp.inf, weight)
     )
 
-  closed = per_backend(
+  closed = _control.per_backend(
     cycle.params,
     branch.out,
     branch.weight,
@@ -603,8 +573,9 @@ def shares_buffer(engine: Local, inner: Inner, acc: optax.Updates) -> bool:
   the same tree and shapes, dtypes the accumulator holds exactly, and (with
   ``axis_name``) an engine whose accumulator has the updates' type."""
   update_types = inner.update_types
+  update_tree: _control.TreeDef = jax.tree.structure(update_types)
   same = (
-    jax.tree.structure(update_types) == jax.tree.structure(acc)
+    update_tree == jax.tree.structure(acc)
     and all(
       u.shape == a.shape
       for u, a in zip(

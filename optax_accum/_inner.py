@@ -121,9 +121,8 @@ def reduce_cycle(
   """The cycle with its sums over the devices, in `reduce_dtype` on the
   wire."""
   noise = cycle.noise
-  tracked = isinstance(noise, NoiseScaleState)
-  scalars = (cycle.weight,)
-  if tracked:  # The count as float32, to join the sum.
+  scalars: tuple[jax.Array, ...] = (cycle.weight,)
+  if isinstance(noise, NoiseScaleState):  # The count as float32, to join.
     scalars += (noise.sq_norm_sum, noise.count.astype(jnp.float32))
   wire = config.reduce_dtype
   acc = cycle.acc
@@ -135,7 +134,7 @@ def reduce_cycle(
   )
   if wire is not None:
     acc = jax.tree.map(lambda a, d: a.astype(d), acc, kept)
-  if tracked:
+  if isinstance(noise, NoiseScaleState):
     noise = noise._replace(
       sq_norm_sum=scalars[1], count=scalars[2].astype(jnp.int32)
     )

@@ -17,6 +17,7 @@ import numpy as np
 from jax import lax
 
 from optax_accum import _checks, _reductions
+from optax_accum._control import TreeDef
 
 # ----------------------------------------------------------------------------
 # The batch split (trace time).
@@ -170,7 +171,7 @@ def _scan(step, carried, split, n, weight_fn, accumulator_dtype, params=None):
   if params is not None:
     micro = jax.eval_shape(lambda: _micro_batch(split, 0))
   _reductions.check_output(out_shape, params, micro)
-  treedef = jax.tree.structure(out_shape)
+  treedef: TreeDef = jax.tree.structure(out_shape)
   leaves = _reductions.leaves_of(out_shape, accumulator_dtype)
 
   def body(carry, index):
@@ -253,6 +254,9 @@ def _nnx_step(nnx, value_and_grad_fn, params, args, kwargs):
   graphdef, fixed, variables, others = nnx.split(
     graph, nnx.Param, nnx.Variable, ...
   )
+  fixed_def: TreeDef
+  others_def: TreeDef
+  carried_def: TreeDef
   fixed, fixed_def = jax.tree.flatten(fixed)
   others, others_def = jax.tree.flatten(others)
   carried, carried_def = jax.tree.flatten(variables)

@@ -66,7 +66,8 @@ class NoiseStats(NamedTuple):
 
   sq_norm_sum: jax.Array  # float32[]
   weight: jax.Array  # float32[]
-  count: jax.Array  # int32[]
+  # Named as tuple's method (see NoiseScaleState.count in _state.py).
+  count: jax.Array  # type: ignore[assignment]  # int32[]
 
 
 # Its public name (help(), the API reference, pickles); it lives here.
@@ -81,7 +82,7 @@ def check_decay(decay: Any, track_noise_scale: bool = True) -> float:
   unless the noise scale is tracked (no other value would be read); raises
   naming it."""
   if isinstance(decay, bool) or not (
-    isinstance(decay, numbers.Real) and 0 <= decay < 1
+    isinstance(decay, numbers.Real) and 0 <= float(decay) < 1
   ):
     raise ValueError(
       f"`noise_scale_decay` must be a float in [0, 1), got {decay!r}."

@@ -344,7 +344,7 @@ def _batch_multiple(whole: tuple, where: _Where) -> int:
   shards = 1
   for x in jax.tree.leaves(args[2:3]):
     sharding = getattr(x, "sharding", None)
-    if getattr(x, "ndim", 0) and hasattr(sharding, "shard_shape"):
+    if getattr(x, "ndim", 0) and sharding is not None:
       shards = max(shards, x.shape[0] // sharding.shard_shape(x.shape)[0])
   return shards
 
@@ -551,22 +551,23 @@ def _choose(found: dict, where: _Where, budget: int, global_batch: int):
   fitting = {name: c for name, (c, _) in found.items() if c is not None}
   if not fitting:
     _nothing_fits(found, where, budget, global_batch)
-  estimates, keys = {}, {}
+  estimates: dict[str, float | None] = {}
+  keys: dict[str, tuple[int, float, float, float]] = {}
   for name, (chosen, compiler) in found.items():
     if chosen is None:
       estimates[name] = None
       continue
     every_k = global_batch // chosen.micro_batch
     cost = compiler.cost(chosen.micro_batch)
-    estimates[name] = _estimate(cost, every_k, where)
+    estimate = estimates[name] = _estimate(cost, every_k, where)
     work = (0.0, 0.0) if cost is None else cost
     keys[name] = (
       every_k,
-      estimates[name] if estimates[name] is not None else 0.0,
+      estimate if estimate is not None else 0.0,
       every_k * work[0],
       every_k * work[1],
     )
-  name = min(keys, key=keys.get)
+  name = min(keys, key=lambda n: keys[n])
   chosen = fitting[name]
   return MicroBatchPlan(
     micro_batch=chosen.micro_batch,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -23,13 +23,13 @@ from optax_accum import _every_k
 from optax_accum._state import NoiseScaleState
 
 # What `reduction=` and `gradients=` take (checked at construction too).
-MeanOrSum = Literal["mean", "sum"]
+MeanOrSum: TypeAlias = Literal["mean", "sum"]
 # What `rounding=` takes.
-Rounding = Literal["nearest", "stochastic"]
+Rounding: TypeAlias = Literal["nearest", "stochastic"]
 # The noise-scale sums, or optax.EmptyState() when not tracked.
-Noise = NoiseScaleState | optax.EmptyState
+Noise: TypeAlias = NoiseScaleState | optax.EmptyState
 # A tree of types (jax.ShapeDtypeStruct leaves, from jax.eval_shape).
-Types = Any
+Types: TypeAlias = Any
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,8 @@ from optax_accum._records import zeros_like_type
 class Total(NamedTuple):
   """What a weighted mean divides by, known after the scan."""
 
-  count: int  # num_microbatches: the divisor without `weight_fn`.
+  # Named as tuple's method (see NoiseScaleState.count in _state.py).
+  count: int  # type: ignore[assignment]  # num_microbatches: the divisor without `weight_fn`.
   weighted: bool  # Whether `weight_fn` was given.
   positive: jax.Array  # bool[]: the total weight is > 0.
   safe_weight: jax.Array  # f32[]: the total weight, 1 where not positive.

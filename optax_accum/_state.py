@@ -8,8 +8,7 @@ readers) accept any optimizer state that holds exactly one
 """
 
 import functools
-import operator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast, overload
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +34,9 @@ class NoiseScaleState(NamedTuple):
   """
 
   sq_norm_sum: jax.Array  # float32[]
-  count: jax.Array  # int32[]
+  # A field named as tuple's method, as optax's states' `count` are: mypy
+  # takes the name for the method (python/mypy#4507 family).
+  count: jax.Array  # type: ignore[assignment]  # int32[]
   grad_sq: jax.Array  # float32[]
   trace: jax.Array  # float32[]
   cycles: jax.Array  # int32[]
@@ -147,16 +148,15 @@ class AccumulateState(NamedTuple):
   acc_scalars: jax.Array  # float32[1 | 3]
   inner_state: optax.OptState
 
-  # The field's own slot, whatever `acc_grads` reads (below the class).
-  acc_buffer = property(
-    operator.itemgetter(1),
-    doc="""The accumulator's buffer, as stored (the ``acc_grads`` field's
+  @property
+  def acc_buffer(self) -> optax.Updates:
+    """The accumulator's buffer, as stored (the ``acc_grads`` field's
     place in the tuple). While a cycle is open it is ``acc_grads``;
     where none is, it holds zeros, or what the last cycle left there (a
     program compiled for CPU leaves the cycle's updates rather than spend a
     pass over the accumulator on zeros; the stored weight beside them, not
-    0, marks them), which no call reads. Write it with :meth:`replace`.""",
-  )
+    0, marks them), which no call reads. Write it with :meth:`replace`."""
+    return tuple.__getitem__(self, 1)  # the slot, whatever acc_grads reads
 
   @property
   def micro_step(self) -> jax.Array:
@@ -211,9 +211,10 @@ class AccumulateState(NamedTuple):
   def noise(self) -> "NoiseScaleState | optax.EmptyState":
     """A :class:`~optax_accum.types.NoiseScaleState` with
     ``track_noise_scale=True``, else ``optax.EmptyState()``."""
-    if _length(self.counters) is None:
+    length = _length(self.counters)
+    if length is None:
       return self.counters
-    if _length(self.counters) <= _NOISE_AT:
+    if length <= _NOISE_AT:
       return optax.EmptyState()
     at = _NOISE_AT
     return NoiseScaleState(
@@ -228,9 +229,10 @@ class AccumulateState(NamedTuple):
   def grow(self) -> "GrowState | optax.EmptyState":
     """A :class:`~optax_accum.types.GrowState` with
     ``every_k=grow_every_k(...)``, else ``optax.EmptyState()``."""
-    if _length(self.counters) is None:
+    length = _length(self.counters)
+    if length is None:
       return self.counters
-    if _length(self.counters) <= _GROW_AT:
+    if length <= _GROW_AT:
       return optax.EmptyState()
     return GrowState(
       changed_at=_entry(self.counters, _GROW_AT),
@@ -261,18 +263,6 @@ class AccumulateState(NamedTuple):
       values.update(pack(**{**current, **named}))
     return self._replace(**values)
 
-  def __getattr__(self, name: str) -> Any:
-    # Called only for a name that is not a field, property or method.
-    equivalent = _MULTISTEPS_FIELDS.get(name)
-    if equivalent is None:
-      raise AttributeError(
-        f"'{type(self).__name__}' object has no attribute '{name}'"
-      )
-    raise AttributeError(
-      f"AccumulateState has no `{name}` (a field of optax.MultiStepsState):"
-      f" {equivalent}. See help(optax_accum.multisteps)."
-    )
-
 
 AccumulateState.__module__ = "optax_accum"
 
@@ -296,6 +286,24 @@ def _read_acc_grads(self: AccumulateState) -> optax.Updates:
 
 
 AccumulateState.acc_grads = property(_read_acc_grads)
+
+
+def _no_such_field(self: AccumulateState, name: str) -> Any:
+  """Called only for a name that is not a field, property or method: a
+  ``MultiStepsState`` field's names its equivalent."""
+  equivalent = _MULTISTEPS_FIELDS.get(name)
+  if equivalent is None:
+    raise AttributeError(
+      f"'{type(self).__name__}' object has no attribute '{name}'"
+    )
+  raise AttributeError(
+    f"AccumulateState has no `{name}` (a field of optax.MultiStepsState):"
+    f" {equivalent}. See help(optax_accum.multisteps)."
+  )
+
+
+if not TYPE_CHECKING:  # So that a checker says "no attribute", as Python.
+  AccumulateState.__getattr__ = _no_such_field
 
 
 def _open_cycle(state: AccumulateState, tree: Any) -> Any:
@@ -468,7 +476,7 @@ def unpack(state: AccumulateState) -> Values:
     num_skipped=c[..., 3],
     emitted=c[..., 4] != 0,
     weight_seen=bits(c[..., _WEIGHT_SEEN]),
-    acc_buffer=state.acc_buffer,
+    acc_buffer=state[1],  # the slot (AccumulateState.acc_buffer)
     acc_weight=s[..., 0],
     inner_state=state.inner_state,
     noise=noise,
@@ -484,6 +492,18 @@ DEVICE_LOCAL_FIELDS = ("acc_grads", "acc_scalars")
 
 def is_accumulate_state(x: Any) -> bool:
   return isinstance(x, AccumulateState)
+
+
+@overload
+def find_state(
+  opt_state: Any, reader: str, *, missing_ok: Literal[False] = False
+) -> AccumulateState: ...
+
+
+@overload
+def find_state(
+  opt_state: Any, reader: str, *, missing_ok: bool
+) -> AccumulateState | None: ...
 
 
 def find_state(
@@ -589,7 +609,7 @@ def has_updated(opt_state: optax.OptState) -> jax.Array:
   """
   emitted = find_state(opt_state, "has_updated").emitted
   if isinstance(emitted, jax.ShapeDtypeStruct):
-    return emitted
+    return as_read(emitted)
   # jnp.asarray unwraps array-like leaves too, such as the OptArray leaves
   # of a flax.nnx.Optimizer's opt_state.
   emitted = jnp.asarray(emitted)
@@ -660,7 +680,7 @@ def current_every_k(opt_state: optax.OptState) -> jax.Array:
   """
   every_k = find_state(opt_state, "current_every_k").every_k
   if isinstance(every_k, jax.ShapeDtypeStruct):
-    return every_k
+    return as_read(every_k)
   return jnp.asarray(every_k)
 
 
@@ -680,11 +700,22 @@ def weight_seen(opt_state: optax.OptState) -> jax.Array:
   return total_of(find_state(opt_state, "weight_seen").weight_seen)
 
 
+def as_read(value: jax.ShapeDtypeStruct) -> jax.Array:
+  """What a reader gives for an abstract state (``jax.eval_shape``'s, as
+  Orbax and sharding code build them): the type of the value it stands
+  for, as ``jax.eval_shape`` gives types. Annotated as that value, so that
+  a user's checker reads the readers as they are used, on concrete states
+  (the one place the annotation and the abstract case part)."""
+  return cast(jax.Array, value)
+
+
 def total_of(weight_seen: Any) -> jax.Array:
   """The value of a compensated ``[total, -rounding error]`` sum (its type,
   of an abstract one)."""
   if isinstance(weight_seen, jax.ShapeDtypeStruct):
-    return jax.ShapeDtypeStruct(weight_seen.shape[:-1], weight_seen.dtype)
+    return as_read(
+      jax.ShapeDtypeStruct(weight_seen.shape[:-1], weight_seen.dtype)
+    )
   seen = jnp.asarray(weight_seen)
   return seen[..., 0] - seen[..., 1]
 

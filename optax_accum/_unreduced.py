@@ -197,6 +197,7 @@ def unreduced_zeros_like(
   sharding = getattr(x, "sharding", None)
   if (
     isinstance(sharding, NamedSharding)
+    and isinstance(sharding.mesh, jax.sharding.Mesh)
     and not isinstance(x, jax.core.Tracer)
     and jax.sharding.get_abstract_mesh().empty
   ):

@@ -101,6 +101,7 @@ then save and restore ``accumulate`` states from then on);
 (``optax_accum.apply_updates``).
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -108,7 +109,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import _accumulate, _checks, _every_k
+from optax_accum import _accumulate, _checks, _control, _every_k
 from optax_accum._state import find_state, placed_like, swap_state
 
 __all__ = (
@@ -211,7 +212,8 @@ def _equivalent(tx: Any, reader: str, accumulator_dtype: Any):
   config = _accumulate.config_of(tx, reader)
   spec = config.every_k
   k = _every_k.first(spec)
-  if _every_k.is_step_schedule(spec):
+  every_k_schedule: int | Callable[..., Any]
+  if _every_k.is_step_schedule(spec) and spec.schedule is not None:
     every_k_schedule = spec.schedule  # both call it with the optimizer step
   else:
     every_k_schedule = int(k)
@@ -506,7 +508,8 @@ def _not_restored_from_elsewhere(
 
 
 def _same_tree(name: str, got: Any, want: Any) -> None:
-  if jax.tree.structure(got) != jax.tree.structure(want):
+  tree: _control.TreeDef = jax.tree.structure(got)
+  if tree != jax.tree.structure(want):
     raise ValueError(
       f"`ms_state.{name}` has the tree {jax.tree.structure(got)}, but the"
       f" target's is {jax.tree.structure(want)}: build the target with the"

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_accum import _control
 from optax_accum._state import (
   AccumulateState,
   GrowState,
@@ -187,7 +188,8 @@ def _is_v0_2(x: Any) -> bool:
 def _converted(old: StateV0_2, fresh: AccumulateState) -> AccumulateState:
   for name in ("acc_grads", "inner_state"):
     got, want = getattr(old, name), getattr(fresh, name)
-    if jax.tree.structure(got) != jax.tree.structure(want):
+    tree: _control.TreeDef = jax.tree.structure(got)
+    if tree != jax.tree.structure(want):
       raise ValueError(
         f"The saved state's `{name}` has the tree {jax.tree.structure(got)},"
         f" but the target's is {jax.tree.structure(want)}: build the target"

@@ -131,7 +131,7 @@ PLANTS = {
   ),
   "lax_cond": (_control, "cond", _plain_lax_cond),
   "holding_branch_last": (_control, "cond", _holding_branch_last),
-  "cpu_form": (_forms, "per_backend", _cpu_form_everywhere),
+  "cpu_form": (_control, "per_backend", _cpu_form_everywhere),
   "one_reduction": (
     _inner,
     "reduce_cycle",

@@ -299,10 +299,11 @@ def linen_guide(plant, dtype):
   mesh = targets.mesh("h100", (1,), ("data",))
   ns = _run(
     "docs/guides/flax.md",
-    "def train_step(state, batch)",
+    "def linen_step(state, batch)",
     "for batch in",
     plant,
   )
+  ns["train_step"] = ns["linen_step"]
   model = LinenMLP(dtype)
   batch = _masked_batch(mesh, dtype, WIDTH, ROWS)
   params = _placed(

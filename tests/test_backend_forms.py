@@ -1,5 +1,5 @@
 """One meaning of the state on every backend (``per_backend`` in
-``optax_accum/_forms.py``).
+``optax_accum/_control.py``).
 
 A program compiled for CPU and one compiled for GPU or TPU close a cycle in
 different ways: the CPU form leaves the updates in the accumulator's buffer
@@ -9,7 +9,7 @@ add); the GPU/TPU form zeroes the accumulator in place (weight 0), and throws
 a CPU program's leftovers away with their cycle. Both mean the same state,
 and read the same: ``acc_grads`` and ``acc_weight`` are zeros and 0 after a
 cycle's end in both forms (issue 54). This machine runs only the CPU form, so
-these tests pin ``_forms.per_backend`` to each form in turn and run
+these tests pin ``_control.per_backend`` to each form in turn and run
 both on CPU: the same updates and params, bit for bit, states that mean the
 same, and a state saved by one form resumes in the other as if nothing had
 changed. Leftovers (the CPU form's, or those optax_accum 0.1 left on CPU)
@@ -30,7 +30,7 @@ import optax
 import pytest
 
 import optax_accum
-from optax_accum import _accumulate, _forms
+from optax_accum import _accumulate, _control
 
 FORMS = {
   "cpu": lambda *args, cpu, accelerator, gpu=None: cpu(*args),
@@ -44,7 +44,7 @@ FORMS = {
 def _pin(monkeypatch, form):
   """Every accumulate traced from now on takes `form`. JAX caches a trace
   per function: build a new transformation after pinning."""
-  monkeypatch.setattr(_forms, "per_backend", FORMS[form])
+  monkeypatch.setattr(_control, "per_backend", FORMS[form])
   _accumulate._jitted_update.cache_clear()
 
 

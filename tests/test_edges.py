@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import optax_accum
-from optax_accum import _accumulate, _forms
+from optax_accum import _accumulate, _control
 from optax_accum import multisteps as ms
 
 ENDS = ["traced", "emit"]
@@ -236,7 +236,7 @@ BUFFERS = {"shared": jnp.float32, "own": jnp.bfloat16}
 def test_a_weightless_cycle_leaves_the_inner_state_alone(
   monkeypatch, maybe_jit, form, buffer, end
 ):
-  monkeypatch.setattr(_forms, "per_backend", FORMS[form])
+  monkeypatch.setattr(_control, "per_backend", FORMS[form])
   _accumulate._jitted_update.cache_clear()
   tx = optax_accum.accumulate(
     optax.adam(0.5), 2, accumulator_dtype=BUFFERS[buffer]

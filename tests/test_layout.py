@@ -177,11 +177,16 @@ def test_a_call_without_axis_name_loads_no_engine_nor_flax():
 
 def test_no_helper_is_defined_twice():
   """One name, one definition, across the package's modules (the same
-  public API for two frameworks, `local_value_and_grad`, excepted)."""
+  public API for two frameworks, `local_value_and_grad`, excepted; a
+  function's `typing.overload` signatures are not definitions)."""
   defined: dict[str, list[str]] = {}
   for path in PACKAGE.rglob("*.py"):
     for node in ast.parse(path.read_text()).body:
-      if isinstance(node, ast.FunctionDef | ast.ClassDef):
+      overload = any(
+        getattr(d, "id", getattr(d, "attr", None)) == "overload"
+        for d in getattr(node, "decorator_list", ())
+      )
+      if isinstance(node, ast.FunctionDef | ast.ClassDef) and not overload:
         where = str(path.relative_to(PACKAGE))
         defined.setdefault(node.name, []).append(where)
   twice = {

@@ -723,8 +723,8 @@ MUTANTS += [
   _m(
     "flax local_value_and_grad ignores wrt",
     "flax/_grad.py",
-    "    graphdef, params, rest = nnx.split(model, wrt, ...)",
-    "    graphdef, params, rest = nnx.split(model, nnx.Param, ...)",
+    "    graphdef, params, *others = nnx.split(model, wrt, ...)",
+    "    graphdef, params, *others = nnx.split(model, nnx.Param, ...)",
     ["tests/test_flax_mesh.py", "-k", "keywords_reach"],
     "wrt=<a subset> gives gradients of every Param",
   ),
@@ -776,7 +776,7 @@ MUTANTS += [
   _m(
     "has_updated reads an abstract state's value",
     "_state.py",
-    "  if isinstance(emitted, jax.ShapeDtypeStruct):\n    return emitted\n",
+    "  if isinstance(emitted, jax.ShapeDtypeStruct):\n    return as_read(emitted)\n",
     "",
     [INPUTS, "-k", "abstract"],
     "optax_accum.has_updated(jax.eval_shape(tx.init, params)) raises a"
@@ -1090,10 +1090,10 @@ MUTANTS += [
   _m(
     "stochastic rounding: bfloat16 gradients to nearest",
     "_accumulate.py",
-    "        a, g, **term, key=key if a.dtype == jnp.bfloat16 else None",
-    "        a, g, **term,"
+    "        a, g, key=key if a.dtype == jnp.bfloat16 else None\n",
+    "        a, g,"
     " key=None if g.dtype == jnp.bfloat16 or a.dtype != jnp.bfloat16"
-    " else key",
+    " else key\n",
     [ROUNDING, "-k", "every_gradient_dtype"],
     "bf16 params: small gradients swamped by a large sum again (2.0 where"
     " the mean is 2.0099)",
@@ -1101,8 +1101,8 @@ MUTANTS += [
   _m(
     "stochastic rounding: a complex leaf rounded",
     "_accumulate.py",
-    "        a, g, **term, key=key if a.dtype == jnp.bfloat16 else None",
-    "        a, g, **term, key=key",
+    "        a, g, key=key if a.dtype == jnp.bfloat16 else None\n",
+    "        a, g, key=key\n",
     [ROUNDING, "-k", "complex"],
     "a complex leaf beside a stochastically rounded accumulator: TypeError"
     " on the first update",

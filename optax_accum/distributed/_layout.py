@@ -42,8 +42,9 @@ from optax_accum.distributed import _sharding
 
 def _device_local_mask(state: AccumulateState) -> AccumulateState:
   """A prefix of `state`: True above each device-local field."""
-  return AccumulateState(
-    **{field: field in DEVICE_LOCAL_FIELDS for field in state._fields}
+  # A tree of bools in the state's own record (a prefix of it).
+  return AccumulateState._make(
+    field in DEVICE_LOCAL_FIELDS for field in state._fields
   )
 
 
@@ -263,6 +264,8 @@ def _reduced_leaf(x: Any) -> Any:
   spec = _unreduced.reduced_spec(x, axes)
   if isinstance(x, jax.core.Tracer):
     return jax.reshard(x, spec)
+  if not isinstance(x.sharding, NamedSharding):  # unreduced: a named one
+    return x
   sharding = NamedSharding(x.sharding.mesh, spec)
   if isinstance(x, jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
@@ -440,7 +443,7 @@ def _placed(value: Any, like: Any) -> Any:
     return value
   spec = getattr(sharding, "spec", None)
   unreduced = tuple(getattr(spec, "unreduced", ()))
-  if unreduced:
+  if unreduced and isinstance(sharding, NamedSharding):
     # jax cannot place host values on an unreduced sharding
     # (`device_indices_map doesn't work with unreduced`, jax 0.10.2 to
     # 0.12): placed replicated over those axes first, the device_put to the
@@ -512,7 +515,8 @@ def _replicated_leaf(
 
 
 def _check_structure(opt_state: Any, target: Any) -> None:
-  if jax.tree.structure(opt_state) == jax.tree.structure(target):
+  tree: _control.TreeDef = jax.tree.structure(opt_state)
+  if tree == jax.tree.structure(target):
     return
   have = jax.tree_util.tree_flatten_with_path(opt_state)[0]
   want = jax.tree_util.tree_flatten_with_path(target)[0]

@@ -200,7 +200,7 @@ class _Loss:
     weight = lax.stop_gradient(jnp.asarray(weight, jnp.float32))
     empty = weight == 0
     loss32 = jnp.where(empty, 0.0, jnp.asarray(loss, jnp.float32))
-    sums = (weight * loss32, weight)
+    sums: tuple[jax.Array, ...] = (weight * loss32, weight)
     if self.noise_stats:  # This device's share, measured before scaling.
       sq = jnp.where(empty, 0.0, weight * _noise_scale.sq_norm(grads))
       sums += (sq, jnp.where(empty, 0.0, 1.0))

@@ -167,7 +167,7 @@ def state_shardings(
 
   def follow(path: tuple, leaf: Any, typed: Any) -> NamedSharding:
     spec = getattr(getattr(typed, "sharding", None), "spec", None)
-    if getattr(spec, "unreduced", None):
+    if spec is not None and getattr(spec, "unreduced", None):
       return NamedSharding(replicated.mesh, spec)
     return param_copied(found, path, leaf.shape) or replicated
 

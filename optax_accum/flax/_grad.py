@@ -100,7 +100,9 @@ def local_value_and_grad(
     raise TypeError(f"`fun` must be callable, got {fun!r}.")
 
   def value_and_grad(model: Any, *args: Any) -> Any:
-    graphdef, params, rest = nnx.split(model, wrt, ...)
+    # (The other Variables: the third part of split's variadic tuple.)
+    graphdef, params, *others = nnx.split(model, wrt, ...)
+    rest = others[0]
 
     def loss(params: Any, rest: Any, *args: Any) -> Any:
       # Plain arrays: `merge` makes the other variables afresh in this
@@ -108,7 +110,8 @@ def local_value_and_grad(
       # error that does not say why).
       model = nnx.merge(graphdef, params, rest)
       out = fun(model, *args)
-      _check_unchanged(rest, nnx.as_pure(nnx.split(model, wrt, ...)[2]))
+      _, _, *after = nnx.split(model, wrt, ...)
+      _check_unchanged(rest, nnx.as_pure(after[0]))
       return out
 
     specs = (P(),) + (

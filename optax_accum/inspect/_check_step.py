@@ -332,7 +332,8 @@ def _compiled_facts(
   ]
   largest = max(acc_bytes, default=0)
   positions = [state_position, *_params_positions(args, state.acc_buffer)]
-  copies = reductions = ()
+  copies: tuple[str, ...] = ()
+  reductions: tuple[str, ...] = ()
   if emit is not True:  # A static emitting step has no micro-step.
     least = max(_MIN_COPY_BYTES, largest // 2)
     copies = tuple(

@@ -103,19 +103,26 @@ def _compile(
     )
   if isinstance(step, str):
     return step, None
+  compiled: jax.stages.Compiled
   if isinstance(step, jax.stages.Lowered):
     step = step.compile()
   if isinstance(step, jax.stages.Compiled):
-    return step.as_text(), step
-  if callable(step):
+    compiled = step
+  elif callable(step):
     lower = getattr(step, "lower", None) or jax.jit(step).lower
     compiled = lower(*args, **kwargs).compile()
-    return compiled.as_text(), compiled
-  raise TypeError(
-    "`step` must be a jitted function (with its arguments), a"
-    " `jax.stages.Lowered`, a `jax.stages.Compiled` or HLO text; got"
-    f" {type(step).__name__}: {step!r:.80}"
-  )
+  else:
+    raise TypeError(
+      "`step` must be a jitted function (with its arguments), a"
+      " `jax.stages.Lowered`, a `jax.stages.Compiled` or HLO text; got"
+      f" {type(step).__name__}: {step!r:.80}"
+    )
+  text = compiled.as_text()
+  if text is None:  # a backend that keeps no HLO text
+    raise ValueError(
+      f"`step` compiled to a program without HLO text: {step!r:.80}"
+    )
+  return text, compiled
 
 
 def collectives(step: Any, *args: Any, **kwargs: Any) -> list[Collective]:
@@ -209,8 +216,15 @@ def format_collectives(records: list[Collective]) -> str:
 def _table(records: list[Collective], axes: Sequence[str] = ()) -> str:
   """`format_collectives`, with a column of mesh axes when `axes` holds one
   entry per record."""
-  header = ("opcode", "bytes", "where", "loop", "groups", "name")
-  rows = [
+  header: tuple[str, ...] = (
+    "opcode",
+    "bytes",
+    "where",
+    "loop",
+    "groups",
+    "name",
+  )
+  rows: list[tuple[str, ...]] = [
     (
       c.opcode,
       str(c.bytes),

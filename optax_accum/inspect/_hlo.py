@@ -244,7 +244,7 @@ class HloModule:
   def __init__(self, text: str):
     self.computations: dict[str, list[Instruction]] = {}
     self._work: dict[str, int] = {}
-    self.entry: str | None = None
+    entry: str | None = None
     self.replica_count = self.num_partitions = 1
     current = None
     for line in text.splitlines():
@@ -258,18 +258,19 @@ class HloModule:
           current = header.group(2)
           self.computations[current] = []
           if header.group(1):
-            self.entry = current
+            entry = current
       elif line.strip() == "}":
         current = None
       else:
         instruction = parse_instruction(line)
         if instruction is not None:
           self.computations[current].append(instruction)
-    if self.entry is None:
+    if entry is None:
       raise ValueError(
         "no ENTRY computation in the HLO text: pass the text of a compiled"
         " module (`jax.jit(f).lower(*args).compile().as_text()`)."
       )
+    self.entry: str = entry
     self.fused_reduce_scatters = {
       callee: reduction
       for instructions in self.computations.values()

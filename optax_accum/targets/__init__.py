@@ -56,24 +56,21 @@ class Target(NamedTuple):
 # 3.35 TB/s; the TPU v5e's 16 GiB of HBM of which XLA:TPU offers programs
 # 15.75 GiB (its out-of-memory message says so), 197 TFLOP/s bf16 and
 # 819 GB/s. The rates are for estimates only (nothing here is timed).
-_H100 = dict(
-  memory_bytes=80 * 2**30, peak_flops=989e12, memory_bandwidth=3.35e12
-)
-_V5E = dict(
-  memory_bytes=int(15.75 * 2**30), peak_flops=197e12, memory_bandwidth=819e9
-)
+# (memory_bytes, peak_flops, memory_bandwidth), Target's last three fields.
+_H100 = (80 * 2**30, 989e12, 3.35e12)
+_V5E = (int(15.75 * 2**30), 197e12, 819e9)
 
 #: Every target, keyed by its name (``"h100"``, ``"h100x8"``, ``"v5e_2x2"``,
 #: ``"v5e_2x4"``).
 TARGETS = {
   t.name: t
   for t in (
-    Target("h100", "cuda", "1x1x1", 1, "1 NVIDIA H100 SXM", **_H100),
+    Target("h100", "cuda", "1x1x1", 1, "1 NVIDIA H100 SXM", *_H100),
     Target(
-      "h100x8", "cuda", "1x1x8", 8, "8 NVIDIA H100 SXM (one host)", **_H100
+      "h100x8", "cuda", "1x1x8", 8, "8 NVIDIA H100 SXM (one host)", *_H100
     ),
-    Target("v5e_2x2", "tpu", "v5e:2x2", 4, "TPU v5e, 2x2 (4 chips)", **_V5E),
-    Target("v5e_2x4", "tpu", "v5e:2x4", 8, "TPU v5e, 2x4 (8 chips)", **_V5E),
+    Target("v5e_2x2", "tpu", "v5e:2x2", 4, "TPU v5e, 2x2 (4 chips)", *_V5E),
+    Target("v5e_2x4", "tpu", "v5e:2x4", 8, "TPU v5e, 2x4 (8 chips)", *_V5E),
   )
 }
 
