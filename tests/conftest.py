@@ -107,6 +107,17 @@ def maybe_jit(request):
   return MODES[request.param]
 
 
+@pytest.fixture
+def x64():
+  """jax_enable_x64 for one test, then as it was."""
+  was = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", True)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_x64", was)
+
+
 # On a jax without unreduced shardings (before 0.10.2: the `make
 # test-oldest` stack), these modules skip, naming what they need; the core
 # (Makefile, CORE_TESTS) runs there.

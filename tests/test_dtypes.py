@@ -100,15 +100,7 @@ def test_a_narrow_accumulator_rounds_each_sum_once(
 # ----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def x64():
-  """jax_enable_x64 for one test, then as it was."""
-  was = jax.config.jax_enable_x64
-  jax.config.update("jax_enable_x64", True)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_enable_x64", was)
+# (`x64`: the fixture of tests/conftest.py.)
 
 
 @pytest.mark.parametrize("emit", [False, True], ids=["traced", "emit"])

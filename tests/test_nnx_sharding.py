@@ -170,9 +170,7 @@ def _get_named_sharding(layout, cls):
   return _by_path(shardings, lambda s: (s.mesh.shape_tuple, tuple(s.spec)))
 
 
-def _with_sharding_constraint(layout, cls):
-  """Flax's "create a sharded model" recipe, in nnx.jit."""
-
+def _created_in_jit(layout, cls):
   @nnx.jit
   def create():
     model, optimizer = layout.new(cls)
@@ -182,7 +180,12 @@ def _with_sharding_constraint(layout, cls):
       nnx.update(obj, jax.lax.with_sharding_constraint(state, specs))
     return model, optimizer
 
-  _, optimizer = create()
+  return create()
+
+
+def _with_sharding_constraint(layout, cls):
+  """Flax's "create a sharded model" recipe, in nnx.jit."""
+  _, optimizer = _created_in_jit(layout, cls)
   return _by_path(nnx.state(optimizer), _placement)
 
 
@@ -262,19 +265,6 @@ def test_each_nnx_function_gives_every_leaf_the_stock_layout(function, layout):
 # ----------------------------------------------------------------------------
 # Item 2: the recipes as users write them, a train step under each.
 # ----------------------------------------------------------------------------
-
-
-def _created_in_jit(layout, cls):
-  @nnx.jit
-  def create():
-    model, optimizer = layout.new(cls)
-    for obj in (model, optimizer):
-      state = nnx.state(obj)
-      specs = nnx.get_partition_spec(state)
-      nnx.update(obj, jax.lax.with_sharding_constraint(state, specs))
-    return model, optimizer
-
-  return create()
 
 
 def _created_eagerly(layout, cls):

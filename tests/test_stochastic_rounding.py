@@ -517,16 +517,6 @@ def test_every_gradient_dtype_into_every_accumulator(
     np.testing.assert_array_equal(sums, _oracle(grads, accumulator))
 
 
-@pytest.fixture
-def x64():
-  was = jax.config.jax_enable_x64
-  jax.config.update("jax_enable_x64", True)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_enable_x64", was)
-
-
 @pytest.mark.parametrize("accumulator", list(ACCUMULATORS))
 def test_float64_gradients_under_x64(x64, accumulator):
   """float64 gradients (jax_enable_x64) into each accumulator: added in
