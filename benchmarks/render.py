@@ -78,13 +78,17 @@ REASONS = {
     " drop-in's state is one Variable since issue 61, where"
     " `nnx.Optimizer(MultiSteps)` keeps one per leaf."
   ),
-  "jax.jit, emit=@tiny": (
-    "at k=1 on the tiny model: every call of both loops runs the optimizer,"
-    " and a call is bound by the host. Three CPU runs measured 0.99x"
+  "jax.jit, emit=": (
+    "at the tiny model, where a call is bound by the host. At k=1 every call"
+    " of both loops runs the optimizer: three CPU runs measured 0.99x"
     " (2026-11-27), 0.99x (2026-11-29 01:15) and 0.93x (rounds 0.92-0.98,"
-    " 2026-11-29 02:40, this table): a few per cent of host work a call"
-    " more than MultiSteps', not isolated further. At k=2 one round of"
-    " five fell to 0.95 once (01:15), the others 1.10-1.33."
+    " 02:40), a few per cent of host work a call more than MultiSteps', not"
+    " isolated further. At k=2 rounds fall below 1 now and then: one of"
+    " five at 0.95 (01:15); two of five at 0.63 and 0.67 in this table's"
+    " run (09:47), whose other rounds were 1.30-1.49, where the same"
+    " configuration rerun alone right after (7 rounds,"
+    " `bench_loop.py --only 0.25:float32:adam:2`) gave 1.01-1.30, median"
+    " 1.24: the shared 2-core box's noise, as far as measured."
   ),
 }
 # The same, on a GPU (``gpu.sh``; the closing note of issue 52).
