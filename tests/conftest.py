@@ -37,6 +37,15 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 NUM_CPU_DEVICES = 8
 
+# The scripts the tests run in processes of their own (the compile servers,
+# the multi-process and accelerator workers) hold no test or doctest, and
+# some change jax where they are imported: `_accel_server.py` keeps every
+# program it compiles, for the life of its process. Imported by
+# --doctest-modules into a pytest worker, it kept every CPU executable the
+# worker compiled alive: on an empty compilation cache the suite's worker
+# then crashed in XLA, three runs of three.
+collect_ignore_glob = ["_*.py"]
+
 jax.config.update("jax_num_cpu_devices", NUM_CPU_DEVICES)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
