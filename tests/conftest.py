@@ -110,6 +110,18 @@ def _apply_updates_warns_in_every_test(monkeypatch):
   monkeypatch.setattr(_apply, "_WARNED", set())
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _executables_released_after_each_module():
+  """jax's caches keep every executable a worker compiled, and each holds
+  memory maps of its code: over the whole suite a worker on an empty
+  compilation cache reached 47,000 of the kernel's 65,530
+  (vm.max_map_count), past which XLA crashes. Let go after each module
+  (a program a later module needs again comes back from the persistent
+  compilation cache)."""
+  yield
+  jax.clear_caches()
+
+
 @pytest.fixture(params=list(MODES), ids=list(MODES))
 def maybe_jit(request):
   """Every behaviour runs eagerly and under jit."""
