@@ -488,6 +488,20 @@ def not_a_foreign_restore(value: Any) -> None:
   )
 
 
+def paths_differ(tree: Any, want: Any) -> tuple[list[str], list[str]]:
+  """The key paths of `want`'s leaves that `tree` lacks, and of `tree`'s
+  that `want` lacks, each sorted."""
+  have = {
+    jax.tree_util.keystr(p)
+    for p, _ in jax.tree_util.tree_leaves_with_path(tree)
+  }
+  wanted = {
+    jax.tree_util.keystr(p)
+    for p, _ in jax.tree_util.tree_leaves_with_path(want)
+  }
+  return sorted(wanted - have), sorted(have - wanted)
+
+
 def tree_matches(name: str, tree: Any, acc_grads: Any) -> list:
   """Raises naming `name` and the first leaf where the tree or a shape
   differs from the accumulator's (the params given to `init`).
@@ -499,10 +513,7 @@ def tree_matches(name: str, tree: Any, acc_grads: Any) -> list:
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
   acc_flat, acc_def = jax.tree_util.tree_flatten_with_path(acc_grads)
   if treedef != acc_def:
-    paths = [jax.tree_util.keystr(p) for p, _ in flat]
-    acc_paths = [jax.tree_util.keystr(p) for p, _ in acc_flat]
-    missing = sorted(set(acc_paths) - set(paths))
-    extra = sorted(set(paths) - set(acc_paths))
+    missing, extra = paths_differ(tree, acc_grads)
     raise ValueError(
       f"`{name}` must have the tree structure of the params given to"
       f" `init`; missing leaves: {missing or 'none'}, unexpected leaves:"

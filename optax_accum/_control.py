@@ -177,7 +177,7 @@ class Local:
   * ``reduce(acc, scalars, *, per_leaf, specs) -> (acc, scalars)``: the
     cycle's sums over the devices (``_inner.reduce_cycle``);
   * ``reduced_specs(acc, params)``: where the reduced sum is laid out, or
-    None where its type has no layout (``_inner.inner_types``);
+    None where its type has no layout (``_accumulate._inner_types``);
   * ``shares_buffer(acc)``: whether the updates may be written into the
     accumulator's own buffer, as far as the devices go
     (``_forms.shares_buffer``).

@@ -13,7 +13,7 @@ workaround of a compiler's fusion and copy rules, said beside it:
   cycle's mean gradient (``_inner.py``) and, where the types allow, writes
   the updates into the accumulator's own buffer (:func:`shares_buffer`);
   the holding branch passes everything through. A small state on one GPU
-  takes selects instead (:func:`_control.decides_with_selects`), and narrow
+  takes selects instead (:func:`decides_with_selects`), and narrow
   updates on GPU/TPU a switch that applies them inside
   (:func:`apply_inside`);
 * **the zero updates** of a micro-step are a ``where`` outside the

@@ -8,11 +8,11 @@ runs on the mean (:func:`run_inner`), where a branch of ``_forms.py``
 decides it should: that room says which way each backend runs it (in a
 conditional of its own, or anyway with selects keeping a weightless cycle's
 result out). The dtypes the mean is computed in are fixed with the rest of
-:class:`Inner`, once per trace (``_accumulate._inner_types``). :func:`inner_types` fixes, once per trace, the
-types the inner optimizer takes and returns (:class:`Inner`).
+:class:`Inner`, once per trace, with the types the inner optimizer takes
+and returns (``_accumulate._inner_types``).
 
-``_forms.py`` calls these from its branches; ``_accumulate.py`` calls
-:func:`inner_types` once per call.
+``_forms.py`` calls these from its branches; ``_accumulate.py`` builds
+:class:`Inner` once per call.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def _micro_batch(split: Any, index: Any) -> Any:
 
 # ----------------------------------------------------------------------------
 # The weight of a micro-batch. Dtypes throughout are chosen explicitly
-# (`_records.compute_dtype`, `_checks.leaf_accumulator_dtype`), never by
+# (`_accumulate.compute_dtype`, `_checks.leaf_accumulator_dtype`), never by
 # `jnp.promote_types`, which raises under
 # `jax_numpy_dtype_promotion="strict"` for bfloat16 with float32; every
 # operation is between operands of one dtype (or a Python scalar).

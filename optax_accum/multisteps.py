@@ -299,8 +299,11 @@ def from_multisteps(
   """
   _check_multisteps_state(ms_state)
   fresh = find_state(target, "from_multisteps")
+  # Read once: only its tree, dtypes and places are used (each read of
+  # acc_grads asks the device whether a cycle is open).
+  buffer = fresh.acc_grads
   _same_tree("inner_opt_state", ms_state.inner_opt_state, fresh.inner_state)
-  _same_tree("acc_grads", ms_state.acc_grads, fresh.acc_grads)
+  _same_tree("acc_grads", ms_state.acc_grads, buffer)
   # The restored values on the target's devices (a mesh's, for a state made
   # under jax.set_mesh): the state packs them beside the target's own.
   ms_state = ms_state._replace(
@@ -310,7 +313,7 @@ def from_multisteps(
     gradient_step=placed_like(
       jnp.asarray(ms_state.gradient_step, jnp.int32), fresh.step
     ),
-    acc_grads=placed_like(ms_state.acc_grads, fresh.acc_grads),
+    acc_grads=placed_like(ms_state.acc_grads, buffer),
     inner_opt_state=placed_like(ms_state.inner_opt_state, fresh.inner_state),
   )
   step = ms_state.gradient_step
@@ -329,7 +332,7 @@ def from_multisteps(
   acc = jax.tree.map(
     lambda m, a: (m.astype(jnp.float32) * scale).astype(a.dtype),
     ms_state.acc_grads,
-    fresh.acc_grads,
+    buffer,
   )
   state = fresh.replace(
     micro_step=n,

@@ -934,8 +934,8 @@ MUTANTS += [
   _m(
     "nnx load leaves the state on one device",
     "flax/_nnx.py",
-    "    self.opt_state.set_value(trees.stored(_state.placed_like(state, current)))",
-    "    self.opt_state.set_value(trees.stored(state))",
+    "    self.opt_state.set_value(_dicts(_state.placed_like(state, current)))",
+    "    self.opt_state.set_value(_dicts(state))",
     [PARITY, "-k", "mesh"],
     "after load, each leaf on one device, not with its param's sharding",
   ),

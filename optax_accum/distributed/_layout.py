@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _control, _unreduced
+from optax_accum import _checks, _control, _unreduced
 from optax_accum._state import (
   DEVICE_LOCAL_FIELDS,
   AccumulateState,
@@ -237,11 +237,8 @@ def _device_counts(scalars: Any, rows: int | None) -> str:
   if rows is None:
     return "it was not laid out with `shard_map_specs` and `add_device_axis`"
   mesh = jax.sharding.get_abstract_mesh()
-  axes = _control.varying_axes(jax.typeof(scalars))
-  if not axes and mesh is not None and not mesh.empty:
-    manual = getattr(mesh, "manual_axes", ())
-    axes = frozenset(manual)
-  if len(axes) == 1 and mesh is not None and not mesh.empty:
+  axes = _control.varying_axes(jax.typeof(scalars)) or _control.manual_axes()
+  if len(axes) == 1 and not mesh.empty:
     (axis,) = axes
     here = dict(mesh.shape)[axis]
     return (
@@ -466,10 +463,14 @@ def _put(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
 
 
 def _regroup_accumulate(
-  path: tuple, state: AccumulateState, like: AccumulateState, stacks: tuple
+  path: tuple, state: AccumulateState, like: AccumulateState
 ) -> AccumulateState:
   have, want = _rows_of(state, "opt_state"), _rows_of(like, "target")
   field = jax.tree_util.GetAttrKey
+  # The cycle is open where a micro-batch was accepted since the last end;
+  # where none is, the device-local leaves hold nothing the run reads (at
+  # most what the last cycle left, `_state.py`): zeros.
+  is_open = bool((_on_host(state.counters)[..., 0] > 0).any())
 
   def local(x: Any, t: Any, where: str) -> Any:
     _check_leaf(x, t, where, have.local, want.local)
@@ -489,15 +490,10 @@ def _regroup_accumulate(
     )
 
   def replicated(x: Any, t: Any, where: str) -> Any:
-    return _replicated_leaf(x, t, where, *stacks)
+    return _replicated_leaf(x, t, where, have.stacked, want.stacked)
 
-  counters = over(replicated, "counters", state.counters, like.counters)
-  # The cycle is open where a micro-batch was accepted since the last end;
-  # where none is, the device-local leaves hold nothing the run reads (at
-  # most what the last cycle left, `_state.py`): zeros.
-  is_open = bool((_on_host(counters)[..., 0] > 0).any())
   return AccumulateState(
-    counters=counters,
+    counters=over(replicated, "counters", state.counters, like.counters),
     acc_grads=over(local, "acc_grads", state.acc_buffer, like.acc_buffer),
     acc_scalars=over(local, "acc_scalars", state.acc_scalars, like.acc_scalars),
     inner_state=over(
@@ -518,12 +514,7 @@ def _check_structure(opt_state: Any, target: Any) -> None:
   tree: _control.TreeDef = jax.tree.structure(opt_state)
   if tree == jax.tree.structure(target):
     return
-  have = jax.tree_util.tree_flatten_with_path(opt_state)[0]
-  want = jax.tree_util.tree_flatten_with_path(target)[0]
-  have_paths = [jax.tree_util.keystr(p) for p, _ in have]
-  want_paths = [jax.tree_util.keystr(p) for p, _ in want]
-  missing = [p for p in want_paths if p not in have_paths]
-  extra = [p for p in have_paths if p not in want_paths]
+  missing, extra = _checks.paths_differ(opt_state, target)
   raise ValueError(
     "`opt_state` and `target` must be states of one transformation (the"
     f" same tree), got trees that differ: `target` has {missing[:3]} that"
@@ -641,7 +632,7 @@ def regroup_state(opt_state: Any, target: Any) -> Any:
 
   def visit(path: tuple, like: Any, x: Any) -> Any:
     if is_accumulate_state(like):
-      return _regroup_accumulate(tuple(path), x, like, stack)
+      return _regroup_accumulate(tuple(path), x, like)
     where = jax.tree_util.keystr(tuple(path))
     return _replicated_leaf(x, like, where, *stack)
 

@@ -176,8 +176,8 @@ class _TxTrees:
   of arrays at ``update``), so a mask or labels tree built from
   ``nnx.state(model, ...)`` matches it; where `tx.init` refuses that tree
   (a mask built as nested dicts), nested dicts. The state is stored as
-  nested dicts either way (``stored``), and given back to `tx` in its own
-  tree (``given``).
+  nested dicts either way (:func:`_dicts`), and given back to `tx` in its
+  own tree (``given``).
 
   Attributes:
     as_state: `tx` takes ``nnx.State`` trees (else nested dicts).
@@ -187,11 +187,12 @@ class _TxTrees:
   as_state: bool
   given: Any
 
-  @classmethod
-  def of(cls, tx: Any, params: nnx.State) -> tuple["_TxTrees", Any]:
-    """The trees `tx` takes for `params` (an ``nnx.State`` of Variables),
-    and the stock class's optimizer state for them, traced (flax's own
-    ``to_opt_state`` of ``tx.init`` over the Variables)."""
+  @staticmethod
+  def takes_state(tx: Any, params: nnx.State) -> tuple[bool, Any]:
+    """Whether `tx` takes ``nnx.State`` trees for `params` (an
+    ``nnx.State`` of Variables), and the stock class's optimizer state for
+    them, traced (flax's own ``to_opt_state`` of ``tx.init`` over the
+    Variables)."""
     refused = []
     for as_state in (True, False):
       variables = params if as_state else _dicts(params)
@@ -200,20 +201,22 @@ class _TxTrees:
       except (TypeError, ValueError) as e:  # a tree built on the other form
         refused.append(e)
         continue
-      given = jax.eval_shape(tx.init, nnx.as_pure(variables))
-      return cls(as_state, jax.tree.structure(given)), traced
+      return as_state, traced
     raise refused[0]
 
   def params(self, state: nnx.State) -> Any:
     """A pure ``nnx.State`` (params, grads) as `tx` takes it."""
     return state if self.as_state else nnx.to_pure_dict(state)
 
+  def to_model(self, tree: Any, like: Any) -> Any:
+    """`tree` (params or updates, as `tx` took them) as the model's
+    ``nnx.State`` of structure `like`: as it is where `tx` takes them."""
+    if self.as_state:
+      return tree
+    return jax.tree.unflatten(like, jax.tree.leaves(tree))
+
   def to_tx(self, stored: Any) -> Any:
     return jax.tree.unflatten(self.given, jax.tree.leaves(stored))
-
-  @staticmethod
-  def stored(state: Any) -> Any:
-    return _dicts(state)
 
 
 def _dicts(tree: Any) -> Any:
@@ -300,9 +303,12 @@ class Optimizer(nnx.Optimizer):
     """As ``nnx.Optimizer``'s: the optimizer state of `tx` for the
     Variables of `model` that `wrt` selects (required, as there)."""
     params = nnx.state(model, wrt, graph=graph)
-    trees, traced = _TxTrees.of(tx, params)
+    as_state, traced = _TxTrees.takes_state(tx, params)
     leaf_sharding = _leaf_sharding(traced)
-    state = trees.stored(tx.init(trees.params(nnx.as_pure(params))))
+    pure = nnx.as_pure(params)
+    made = tx.init(pure if as_state else nnx.to_pure_dict(pure))
+    trees = _TxTrees(as_state, jax.tree.structure(made))
+    state = _dicts(made)
     self.graph = graph
     self.step = nnx.OptState(jnp.array(0, dtype=jnp.uint32))
     self.tx = tx
@@ -349,12 +355,10 @@ class Optimizer(nnx.Optimizer):
       grads, opt_state, params, **options, **kwargs
     )
     new_params = _apply.apply_updates(params, updates, opt_state)
-    nnx.update(
-      model, jax.tree.unflatten(as_params, jax.tree.leaves(new_params))
-    )
-    self.opt_state.set_value(trees.stored(opt_state))
+    nnx.update(model, trees.to_model(new_params, as_params))
+    self.opt_state.set_value(_dicts(opt_state))
     self.step[...] += 1
-    return jax.tree.unflatten(as_params, jax.tree.leaves(updates))
+    return trees.to_model(updates, as_params)
 
   @property
   def optimizer_step(self) -> jnp.ndarray:
@@ -423,7 +427,7 @@ class Optimizer(nnx.Optimizer):
       state = _from_stock_multisteps(self.tx, current, raw)
     else:
       state = _filled(current, raw, "opt_state")
-    self.opt_state.set_value(trees.stored(_state.placed_like(state, current)))
+    self.opt_state.set_value(_dicts(_state.placed_like(state, current)))
     step = _filled(self.step.get_value(), saved["step"], "step")
     self.step.set_value(_state.placed_like(step, self.step.get_value()))
 
